@@ -1,0 +1,96 @@
+"""The network (torchvision's ResNet-34) and loading pretrained or previously saved weights into it."""
+
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchvision.models import resnet34
+
+from utils import UserError
+
+# Prefixes that wrappers add to parameter names: DataParallel/DDP ("module.") and torch.compile ("_orig_mod.").
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def create_model(num_classes: int) -> nn.Module:
+    return resnet34(num_classes=num_classes)
+
+
+@dataclass
+class LoadReport:
+    loaded: list[str] = field(default_factory=list)
+    skipped_shape: list[str] = field(default_factory=list)  # e.g. the 1000-class ImageNet head
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        parts = [f"loaded {len(self.loaded)} tensors"]
+        for label, names in (
+            ("skipped for a different shape", self.skipped_shape),
+            ("missing from the file (left as initialised)", self.missing),
+            ("in the file but not in the model (ignored)", self.unexpected),
+        ):
+            if names:
+                shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+                parts.append(f"{len(names)} {label}: {shown}")
+        return "; ".join(parts)
+
+
+def strip_wrapper_prefixes(state_dict: dict) -> dict:
+    def strip(name: str) -> str:
+        while name.startswith(WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        return name
+
+    return {strip(name): tensor for name, tensor in state_dict.items()}
+
+
+def read_state_dict(path) -> dict:
+    """A state dict from a weights file: a plain state dict, or a checkpoint holding one under "model"."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"weights file {path} does not exist")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        # weights_only=True refuses anything but tensors and plain containers: code in a pickle never runs.
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(
+            f"weights file {path} was refused by the safe loader (weights_only=True): {first_line}"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as error:
+        raise UserError(f"weights file {path} cannot be read as a PyTorch file: {error}") from None
+    if isinstance(data, dict) and isinstance(data.get("model"), dict):
+        data = data["model"]
+    if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
+        raise UserError(f"weights file {path} does not hold a state dict (a mapping of names to tensors)")
+    return strip_wrapper_prefixes(data)
+
+
+def load_weights(model: nn.Module, path) -> LoadReport:
+    """Load what fits from a weights file into `model`; tensors whose shape differs (a new head) are skipped."""
+    state_dict = read_state_dict(path)
+    own = model.state_dict()
+    report = LoadReport()
+    usable = {}
+    for name, tensor in state_dict.items():
+        if name not in own:
+            report.unexpected.append(name)
+        elif own[name].shape != tensor.shape:
+            report.skipped_shape.append(name)
+        else:
+            usable[name] = tensor
+            report.loaded.append(name)
+    report.missing = [name for name in own if name not in state_dict]
+    if not usable:
+        raise UserError(f"weights file {path} has no tensor that fits this model (is it for another architecture?)")
+    model.load_state_dict(usable, strict=False)
+    return report
+
+
+def freeze_all_but_head(model: nn.Module) -> None:
+    """Train only the final fully connected layer (transfer learning from pretrained features)."""
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith("fc."))

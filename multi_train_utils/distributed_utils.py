@@ -1,0 +1,155 @@
+"""Distributed helpers: joining the process group, rank and world-size queries, reductions, free ports.
+
+Every function works in a single process too (rank 0 of a world of 1), so the shared training code calls them
+without asking which launch mode it runs under.
+"""
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from utils import UserError
+
+
+def is_dist_avail_and_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_dist_avail_and_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_dist_avail_and_initialized() else 1
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def launcher_environment() -> dict | None:
+    """Rank, world size and local rank set by a launcher (torchrun, torch.distributed.launch --use_env, SLURM)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {
+            "rank": int(env["RANK"]),
+            "world_size": int(env["WORLD_SIZE"]),
+            "local_rank": int(env.get("LOCAL_RANK", 0)),
+            "local_world_size": int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+        }
+    if "SLURM_PROCID" in env:
+        if "MASTER_ADDR" not in env:
+            raise UserError("under SLURM, set MASTER_ADDR (e.g. the first host of $SLURM_JOB_NODELIST) and MASTER_PORT")
+        env.setdefault("MASTER_PORT", "29500")
+        tasks = int(env.get("SLURM_NTASKS", 1))
+        return {
+            "rank": int(env["SLURM_PROCID"]),
+            "world_size": tasks,
+            "local_rank": int(env.get("SLURM_LOCALID", 0)),
+            "local_world_size": int(env.get("SLURM_NTASKS_PER_NODE", tasks).split("(")[0]),
+        }
+    return None
+
+
+def init_distributed_mode(args, rank=None, world_size=None) -> None:
+    """Join the process group and pick this process's device.
+
+    torchrun and SLURM describe the process in environment variables; spawn passes `rank` and `world_size`
+    (with MASTER_ADDR/MASTER_PORT in the environment). Sets args.rank, args.world_size, args.local_rank,
+    args.local_world_size, args.distributed and args.device. Without any of these: one process, not distributed.
+    """
+    if rank is not None:
+        found = {"rank": rank, "world_size": world_size, "local_rank": rank, "local_world_size": world_size}
+    else:
+        found = launcher_environment()
+    if found is None:
+        args.rank, args.world_size, args.local_rank, args.local_world_size = 0, 1, 0, 1
+        args.distributed = False
+        args.device = str(resolve_device(args.device))
+        return
+    args.rank, args.world_size = found["rank"], found["world_size"]
+    args.local_rank, args.local_world_size = found["local_rank"], found["local_world_size"]
+    args.distributed = True
+
+    device = resolve_device(args.device, local_rank=args.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    args.device = str(device)
+    backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(
+        backend=backend,
+        init_method=args.dist_url,
+        world_size=args.world_size,
+        rank=args.rank,
+        timeout=timedelta(seconds=args.dist_timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def resolve_device(name: str | None, local_rank: int | None = None) -> torch.device:
+    """The device to train on: CUDA when there is one, otherwise the CPU; in DDP, the local rank's GPU."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise UserError(f"device {name!r} is not supported here: use cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise UserError(f"--device {name} asked for a GPU but no CUDA GPU is visible; use --device cpu")
+    if local_rank is not None:
+        if device.index is not None:
+            raise UserError(
+                "in DDP each process takes the GPU of its local rank: "
+                "use --device cuda and choose GPUs with CUDA_VISIBLE_DEVICES"
+            )
+        device = torch.device("cuda", local_rank)
+    index = device.index or 0
+    if index >= count:
+        raise UserError(f"GPU {index} asked for but only {count} visible (CUDA_VISIBLE_DEVICES chooses which)")
+    return torch.device("cuda", index)
+
+
+def cleanup() -> None:
+    if is_dist_avail_and_initialized():
+        dist.destroy_process_group()
+
+
+def reduce_value(value: torch.Tensor, average: bool = True) -> torch.Tensor:
+    """Sum (or average) a tensor over all processes; in a single process it is returned as it is."""
+    if get_world_size() < 2:
+        return value
+    with torch.no_grad():
+        value = value.clone()
+        dist.all_reduce(value)
+        if average:
+            value /= get_world_size()
+    return value
+
+
+def broadcast_object(obj):
+    """Rank 0's value of a picklable object, on every rank."""
+    if get_world_size() < 2:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def barrier() -> None:
+    if is_dist_avail_and_initialized():
+        dist.barrier()
+
+
+def find_free_port() -> int:
+    """A TCP port on this machine that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,64 @@
+"""One training epoch and one evaluation pass, the same for one process and for DDP."""
+
+import sys
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from multi_train_utils.distributed_utils import is_main_process, reduce_value
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; raised on every rank at the same step, so no rank is left waiting."""
+
+
+def train_one_epoch(model, optimizer, data_loader, device, epoch: int) -> tuple[float, int]:
+    """Train for one epoch; returns (mean loss over every sample of every rank, images seen by all ranks).
+
+    The per-step loss is summed over the ranks, weighted by batch size, so the bar shows the same running mean
+    on any world size and every rank sees a non-finite loss together.
+    """
+    model.train()
+    loss_function = nn.CrossEntropyLoss()
+    loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of sample losses, samples)
+    progress = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process())
+    for images, labels in progress:
+        images, labels = images.to(device), labels.to(device)
+        loss = loss_function(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+
+        step = reduce_value(
+            torch.stack(
+                [loss.detach().double() * len(labels), torch.tensor(len(labels), dtype=torch.float64, device=device)]
+            ),
+            average=False,
+        )
+        if not torch.isfinite(step[0]):
+            raise NonFiniteLossError(f"non-finite loss at epoch {epoch}; stopping (lower --lr or check the data)")
+        optimizer.step()
+        loss_and_count += step
+        progress.set_postfix(mean_loss=f"{(loss_and_count[0] / loss_and_count[1]).item():.3f}")
+    total_loss, total_images = loss_and_count.tolist()
+    return total_loss / max(total_images, 1), int(total_images)
+
+
+@torch.no_grad()
+def evaluate(model, data_loader, device, num_classes: int) -> torch.Tensor:
+    """The confusion matrix (rows: true class, columns: predicted) summed over every rank's validation shard.
+
+    Each rank evaluates its own disjoint shard, nothing padded, so every image counts exactly once: accuracy is
+    its trace over its sum, per-class recall its diagonal over row sums.
+    """
+    model.eval()
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
+    for images, labels in tqdm(
+        data_loader, desc="validate", file=sys.stdout, disable=not is_main_process(), leave=False
+    ):
+        predictions = model(images.to(device)).argmax(dim=1)
+        labels = labels.to(device)
+        confusion += torch.bincount(labels * num_classes + predictions, minlength=num_classes * num_classes).view(
+            num_classes, num_classes
+        )
+    return reduce_value(confusion, average=False).cpu()

@@ -1,0 +1,30 @@
+"""Train ResNet-34 with DistributedDataParallel, one process per device, started by a launcher.
+
+    torchrun --nproc_per_node=2 train_multi_gpu_using_launch.py --demo
+    CUDA_VISIBLE_DEVICES=0,3 torchrun --nproc_per_node=2 train_multi_gpu_using_launch.py --data-path flower_photos
+
+torchrun (or `python -m torch.distributed.launch --use_env`, or SLURM's srun) starts the processes and tells
+each one its RANK, WORLD_SIZE and LOCAL_RANK in environment variables; this script reads them and joins the
+group. Started with plain `python`, it trains in one process.
+"""
+
+from multi_train_utils.distributed_utils import cleanup, init_distributed_mode, launcher_environment
+from training import parse_args, prepare, train
+from utils import exits_on_user_error
+
+
+@exits_on_user_error
+def main(argv=None):
+    args = parse_args("train_multi_gpu_using_launch", __doc__.splitlines()[0], argv)
+    prepare(args)
+    if launcher_environment() is None:
+        print("Not started by torchrun or SLURM: training in one process (see --help for the torchrun command).")
+    init_distributed_mode(args)
+    try:
+        train(args)
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""Train ResNet-34 in one process on one device (a GPU, or the CPU when there is none).
+
+python train_single_gpu.py --demo
+python train_single_gpu.py --data-path flower_photos --device cuda:0
+"""
+
+from multi_train_utils.distributed_utils import init_distributed_mode
+from training import parse_args, prepare, train
+from utils import exits_on_user_error
+
+
+@exits_on_user_error
+def main(argv=None):
+    args = parse_args("train_single_gpu", __doc__.splitlines()[0], argv)
+    prepare(args)
+    # No launcher variables are set for this script, so this only picks the device: a world of one process.
+    init_distributed_mode(args)
+    train(args)
+
+
+if __name__ == "__main__":
+    main()

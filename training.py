@@ -1,0 +1,313 @@
+"""What a training run is, whatever starts its processes: the flags, the checks before any process starts, and
+`train`, which every launch script calls in each of its processes.
+
+The launch scripts differ only in how they start processes and join them into a group; from `train` on, one
+process and eight run the same code, with rank 0 alone printing and writing files.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.optim import lr_scheduler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.tensorboard import SummaryWriter
+
+from model import create_model, freeze_all_but_head, load_weights
+from multi_train_utils.distributed_utils import barrier, broadcast_object, is_main_process
+from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
+from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+from my_dataset import MyDataSet, SeededBatchSampler, train_transform, val_transform
+from utils import DEMO_DATA_PATH, UserError, make_demo_data, read_split_data, write_json
+
+# --demo trains on generated data with settings that finish in a few minutes on a laptop CPU; any flag given
+# on the command line still wins.
+DEMO_DEFAULTS = {"epochs": 10, "img_size": 64, "lr": 0.01}
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser(script: str, description: str) -> argparse.ArgumentParser:
+    """The flags of all three scripts; `script` adds the few that belong to one launch mode."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    data = p.add_argument_group("data")
+    data.add_argument(
+        "--data-path", type=Path, help="folder with one sub-folder of images per class (e.g. flower_photos)"
+    )
+    data.add_argument(
+        "--demo",
+        action="store_true",
+        help=f"train on generated demo flowers (made once in {DEMO_DATA_PATH.parent.name}/) with quick settings",
+    )
+    data.add_argument(
+        "--num-classes", type=positive(int), help="expected number of classes (default: the number of class folders)"
+    )
+    data.add_argument("--val-rate", type=float, default=0.2, help="fraction of each class held out for validation")
+    data.add_argument(
+        "--img-size",
+        type=positive(int),
+        default=224,
+        help="training crop size; validation resizes to img-size*256/224 and centre-crops",
+    )
+    data.add_argument(
+        "--workers",
+        type=int,
+        help="data loader processes per training process (default: this process's share of the CPU cores, at most 8)",
+    )
+
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--epochs", type=positive(int), default=30)
+    opt.add_argument("--batch-size", type=positive(int), default=16, help="images per step in each process")
+    opt.add_argument(
+        "--lr",
+        type=positive(float),
+        default=0.001,
+        help="learning rate for one process; multiplied by the world size in DDP",
+    )
+    opt.add_argument("--lrf", type=float, default=0.1, help="final learning rate as a fraction of --lr (cosine decay)")
+    opt.add_argument("--momentum", type=float, default=0.9)
+    opt.add_argument(
+        "--weight-decay",
+        type=float,
+        default=1e-4,
+        help="L2 penalty (the original used 5e-3; 1e-4 is usual for ResNets)",
+    )
+    opt.add_argument("--seed", type=int, default=0, help="seeds weights, data split, shuffling and augmentation")
+
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--weights", type=Path, help="initial weights: a torchvision ResNet-34 file or weights saved by these scripts"
+    )
+    model.add_argument(
+        "--freeze-layers", action=argparse.BooleanOptionalAction, default=False, help="train only the final layer"
+    )
+
+    run = p.add_argument_group("run")
+    run.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
+    run.add_argument(
+        "--output-dir", type=Path, help=f"where weights, logs and metrics go (default: runs/{script}-<timestamp>)"
+    )
+
+    if script != "train_single_gpu":
+        dist = p.add_argument_group("distributed")
+        dist.add_argument(
+            "--sync-bn",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="synchronise BatchNorm statistics across processes",
+        )
+        dist.add_argument(
+            "--dist-url",
+            default="env://",
+            help="how processes find each other (env:// reads MASTER_ADDR and MASTER_PORT)",
+        )
+        dist.add_argument("--dist-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on CPU")
+        dist.add_argument(
+            "--dist-timeout",
+            type=positive(int),
+            default=1800,
+            help="seconds a collective may wait for a silent process",
+        )
+    if script == "train_multi_gpu_using_spawn":
+        dist.add_argument(
+            "--world-size", type=positive(int), help="processes to start (default: visible GPUs, or 2 without a GPU)"
+        )
+    p.set_defaults(script=script)
+    return p
+
+
+def parse_args(script: str, description: str, argv=None) -> argparse.Namespace:
+    parser = build_parser(script, description)
+    args = parser.parse_args(argv)
+    if args.demo:
+        parser.set_defaults(**DEMO_DEFAULTS)
+        args = parser.parse_args(argv)
+    for name in ("sync_bn", "dist_url", "dist_backend", "dist_timeout", "world_size"):
+        args.__dict__.setdefault(name, None)
+    return args
+
+
+def prepare(args) -> None:
+    """Checks and one-time set-up that need no process group: run before processes start where possible.
+
+    Fills in args.data_path (making the demo data) and args.output_dir, and raises UserError for bad input.
+    """
+    if args.demo and args.data_path is None:
+        args.data_path = DEMO_DATA_PATH
+    if args.data_path is None:
+        raise UserError("no data: give --data-path FOLDER (one sub-folder per class) or --demo")
+    if args.demo:
+        make_demo_data(args.data_path)
+    if args.seed < 0:
+        raise UserError(f"--seed must be 0 or more, got {args.seed}")
+    if args.workers is not None and args.workers < 0:
+        raise UserError(f"--workers must be 0 or more, got {args.workers}")
+    if not 0 < args.lrf <= 1:
+        raise UserError(f"--lrf must be in (0, 1], got {args.lrf}")
+    split = read_split_data(args.data_path, args.val_rate, args.seed)
+    if args.num_classes is not None and args.num_classes != len(split.classes):
+        raise UserError(
+            f"--num-classes {args.num_classes} but {args.data_path} has {len(split.classes)} class folders: "
+            + ", ".join(split.classes)
+        )
+    if args.output_dir is None:
+        args.output_dir = Path("runs") / f"{args.script}-{time.strftime('%Y%m%d-%H%M%S')}"
+    elif (args.output_dir / "metrics.jsonl").exists():
+        raise UserError(f"{args.output_dir} already holds a run (metrics.jsonl); choose another --output-dir")
+
+
+def default_workers(args) -> int:
+    """This process's share of the cores, so loader workers of all local processes do not fight for them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores // args.local_world_size, args.batch_size))
+
+
+def build_loaders(args, split, world_size: int, rank: int):
+    train_set = MyDataSet(split.train_images, split.train_labels, train_transform(args.img_size))
+    val_set = MyDataSet(split.val_images, split.val_labels, val_transform(args.img_size))
+    # One sampler for every launch mode: a world of one is DistributedSampler(num_replicas=1). Incomplete last
+    # batches are dropped, so every step of every rank has the same batch size.
+    shard = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    batches = SeededBatchSampler(BatchSampler(shard, args.batch_size, drop_last=True), args.seed)
+    if len(batches) == 0:
+        raise UserError(
+            f"--batch-size {args.batch_size} is larger than a process's {len(shard)} training images: "
+            "an epoch would have no step"
+        )
+    workers = default_workers(args) if args.workers is None else args.workers
+    common = {"num_workers": workers, "persistent_workers": workers > 0, "pin_memory": args.device.startswith("cuda")}
+    train_loader = DataLoader(train_set, batch_sampler=batches, **common)
+    # Validation: rank r takes images r, r+W, r+2W, ...: disjoint, nothing padded, each image counted once.
+    val_loader = DataLoader(
+        val_set, batch_size=args.batch_size, sampler=range(rank, len(val_set), world_size), **common
+    )
+    return train_loader, val_loader, workers
+
+
+def say(*message) -> None:
+    if is_main_process():
+        print(*message, flush=True)
+
+
+def train(args) -> dict:
+    """Train and validate for args.epochs in this process (one of args.world_size); returns the last metrics."""
+    world_size, rank = args.world_size, args.rank
+    device = torch.device(args.device)
+    if device.type == "cpu" and args.local_world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.local_world_size))
+    if args.demo:
+        make_demo_data(args.data_path)  # cached: only does work if prepare() ran in another process
+    output_dir = Path(broadcast_object(str(args.output_dir)))  # rank 0's name, whatever each rank's clock said
+    weights_dir = output_dir / "weights"
+    if is_main_process():
+        weights_dir.mkdir(parents=True, exist_ok=True)
+    barrier()
+    split = read_split_data(
+        args.data_path, args.val_rate, args.seed, output_dir=output_dir if is_main_process() else None
+    )
+    num_classes = len(split.classes)
+
+    lr = args.lr * world_size
+    say(
+        f"{args.script}: {world_size} process(es) on {device.type}"
+        + (f", backend {torch.distributed.get_backend()}" if args.distributed else "")
+    )
+    if device.type == "cpu" and torch.cuda.is_available() is False:
+        say("No CUDA GPU found: training on the CPU.")
+    train_loader, val_loader, workers = build_loaders(args, split, world_size, rank)
+    say(
+        f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
+        f"{num_classes} classes; {workers} loader workers per process"
+    )
+    say(
+        f"Learning rate {lr:g} (--lr {args.lr:g} x world size {world_size}); "
+        f"global batch {args.batch_size * world_size}"
+    )
+
+    torch.manual_seed(args.seed)  # the same initial weights in every process; DDP also broadcasts rank 0's
+    model = create_model(num_classes)
+    if args.weights is not None:
+        report = load_weights(model, args.weights)
+        say(f"Weights from {args.weights}: {report.summary()}")
+    if args.freeze_layers:
+        freeze_all_but_head(model)
+    model.to(device)
+    model_without_ddp = model
+    if args.distributed:
+        if args.sync_bn and not args.freeze_layers:  # frozen layers: BatchNorm statistics are not trained
+            model = convert_sync_batchnorm(model, device)
+            model_without_ddp = model
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    scheduler = lr_scheduler.LambdaLR(optimizer, lambda epoch: cosine_factor(epoch, args.epochs, args.lrf))
+
+    writer = SummaryWriter(str(output_dir / "tb")) if is_main_process() else None
+    if is_main_process():
+        say(f'Output: {output_dir}  (TensorBoard: tensorboard --logdir "{output_dir / "tb"}")')
+        write_json(output_dir / "args.json", {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+
+    best_acc, metrics = -1.0, {}
+    for epoch in range(args.epochs):
+        train_loader.batch_sampler.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
+        epoch_lr = optimizer.param_groups[0]["lr"]
+        start = time.perf_counter()
+        train_loss, train_images = train_one_epoch(model, optimizer, train_loader, device, epoch)
+        train_seconds = time.perf_counter() - start
+        scheduler.step()
+        confusion = evaluate(model_without_ddp, val_loader, device, num_classes)
+        epoch_seconds = time.perf_counter() - start
+
+        val_correct, val_total = int(confusion.trace()), int(confusion.sum())
+        val_acc = val_correct / val_total
+        metrics = {
+            "epoch": epoch,
+            "train_loss": train_loss,
+            "val_acc": val_acc,
+            "val_correct": val_correct,
+            "val_total": val_total,
+            "val_per_class_correct": confusion.diagonal().tolist(),
+            "val_per_class_total": confusion.sum(dim=1).tolist(),
+            "lr": epoch_lr,
+            "epoch_seconds": epoch_seconds,
+            "train_images_per_sec": train_images / train_seconds,
+            "world_size": world_size,
+        }
+        if is_main_process():
+            say(
+                f"[epoch {epoch}] train loss {train_loss:.3f}  val acc {val_acc:.3f} ({val_correct}/{val_total})  "
+                f"lr {epoch_lr:.2e}  {epoch_seconds:.1f} s, {metrics['train_images_per_sec']:.1f} img/s"
+            )
+            for tag, value in (("loss", train_loss), ("accuracy", val_acc), ("learning_rate", epoch_lr)):
+                writer.add_scalar(tag, value, epoch)
+            with open(output_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            state_dict = model_without_ddp.state_dict()
+            torch.save(state_dict, weights_dir / f"model-{epoch}.pth")
+            if val_acc > best_acc:
+                best_acc = val_acc
+                torch.save(state_dict, weights_dir / "best.pth")
+    if writer is not None:
+        writer.close()
+    say(f"Done: best val acc {best_acc:.3f}; weights in {weights_dir}")
+    return metrics
+
+
+def cosine_factor(epoch: int, epochs: int, lrf: float) -> float:
+    """Learning-rate factor: 1 at the first epoch, falling along a half cosine to lrf after the last."""
+    return ((1 + math.cos(epoch * math.pi / epochs)) / 2) * (1 - lrf) + lrf
