@@ -60,8 +60,10 @@ def read_state_dict(path) -> dict:
         raise UserError(
             f"weights file {path} was refused by the safe loader (weights_only=True): {first_line}"
         ) from None
-    except (RuntimeError, EOFError, OSError) as error:
-        raise UserError(f"weights file {path} cannot be read as a PyTorch file: {error}") from None
+    except Exception as error:  # torch.load raises many types on a file that is not what it should be
+        raise UserError(
+            f"weights file {path} cannot be read as a PyTorch file ({type(error).__name__}: {error})"
+        ) from None
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
         data = data["model"]
     if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):

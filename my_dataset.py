@@ -44,7 +44,7 @@ def load_rgb(path) -> Image.Image:
             # 16-bit and float pixels: scale to 0..255 instead of clipping everything above 255 to white.
             pixels = np.asarray(image, dtype=np.float64)
             peak = 65535.0 if image.mode != "F" or pixels.max() > 255 else 255.0
-            image = Image.fromarray(np.clip(pixels * (255.0 / peak), 0, 255).astype(np.uint8), mode="L")
+            image = Image.fromarray(np.clip(np.rint(pixels * (255.0 / peak)), 0, 255).astype(np.uint8), mode="L")
         elif "A" in image.mode or "transparency" in image.info:
             image = image.convert("RGBA")
         return image.convert("RGB")

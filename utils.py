@@ -102,6 +102,7 @@ def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None)
 def write_json(path: Path, data) -> None:
     """Write JSON atomically: a reader sees the old file or the new one, never half of one."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2)

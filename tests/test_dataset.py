@@ -1,0 +1,75 @@
+"""MyDataSet: every image mode becomes a 3-channel tensor; augmentation follows the per-sample seed."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from my_dataset import MyDataSet, SeededBatchSampler, load_rgb, sample_seed, train_transform, val_transform
+
+
+def save(path, mode):
+    rng = np.random.default_rng(0)
+    if mode in ("I;16", "I"):
+        image = Image.fromarray(rng.integers(0, 65535, (30, 40), dtype=np.uint16))
+        image = image if mode == "I;16" else image.convert("I")
+    elif mode == "F":
+        image = Image.fromarray(rng.random((30, 40), dtype=np.float32) * 255)
+    elif mode == "P+transparency":
+        image = Image.new("P", (40, 30), 3)
+        image.info["transparency"] = 3
+    else:
+        image = Image.fromarray(rng.integers(0, 255, (30, 40, 3), dtype=np.uint8)).convert(mode)
+    suffix = ".tiff" if mode in ("CMYK", "F", "I") else ".png"
+    path = path.with_suffix(suffix)
+    image.save(path)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "LA", "P", "P+transparency", "RGB", "RGBA", "CMYK", "I;16", "I", "F"])
+def test_every_image_mode_loads_as_three_channels(tmp_path, mode):
+    path = save(tmp_path / "image", mode)
+    assert load_rgb(path).mode == "RGB"
+    image, label = MyDataSet([path], [3], val_transform(32))[0]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32
+    assert label == 3
+
+
+def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
+    path = tmp_path / "grey16.png"
+    Image.fromarray(np.array([[65535, 4096]], dtype=np.uint16)).save(path)
+    image = load_rgb(path)
+    assert image.getpixel((0, 0)) == (255, 255, 255)
+    assert image.getpixel((1, 0)) == (16, 16, 16)
+
+
+def test_augmentation_is_a_function_of_the_sample_seed(tmp_path):
+    path = save(tmp_path / "image", "RGB")
+    dataset = MyDataSet([path], [0], train_transform(24))
+    first, _ = dataset[(0, 1234)]
+    torch.manual_seed(99)  # the global generator must not matter
+    again, _ = dataset[(0, 1234)]
+    other, _ = dataset[(0, 1235)]
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_seeded_batches_tag_each_index_with_its_epoch_seed():
+    class Shuffle:
+        def __init__(self):
+            self.epochs = []
+
+        def set_epoch(self, epoch):
+            self.epochs.append(epoch)
+
+    class Batches(list):
+        sampler = Shuffle()
+
+    seeded = SeededBatchSampler(Batches([[4, 2], [7, 1]]), seed=5)
+    seeded.set_epoch(3)
+    assert list(seeded) == [
+        [(4, sample_seed(5, 3, 4)), (2, sample_seed(5, 3, 2))],
+        [(7, sample_seed(5, 3, 7)), (1, sample_seed(5, 3, 1))],
+    ]
+    assert Batches.sampler.epochs == [3]
+    assert len({sample_seed(5, e, i) for e in range(10) for i in range(100)}) == 1000

@@ -1,0 +1,45 @@
+"""How a process learns its place in the group from torchrun's or SLURM's environment variables."""
+
+import pytest
+
+from multi_train_utils.distributed_utils import launcher_environment
+from utils import UserError
+
+LAUNCH_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+SLURM_VARIABLES = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"]
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in LAUNCH_VARIABLES + SLURM_VARIABLES:
+        monkeypatch.setenv(name, "")  # recorded, so whatever the code under test sets is undone afterwards
+        monkeypatch.delenv(name)
+
+
+def test_no_launcher_means_one_process():
+    assert launcher_environment() is None
+
+
+def test_torchrun_variables(monkeypatch):
+    for name, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    assert launcher_environment() == {"rank": 5, "world_size": 8, "local_rank": 1, "local_world_size": 4}
+
+
+def test_slurm_variables(monkeypatch):
+    values = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x2)"}
+    for name, value in {**values, "MASTER_ADDR": "node01"}.items():
+        monkeypatch.setenv(name, value)
+    assert launcher_environment() == {"rank": 3, "world_size": 4, "local_rank": 1, "local_world_size": 2}
+
+
+def test_torchrun_inside_slurm_wins_over_slurm(monkeypatch):
+    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert launcher_environment()["rank"] == 1
+
+
+def test_slurm_without_a_master_address_is_a_user_error(monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    with pytest.raises(UserError, match="MASTER_ADDR"):
+        launcher_environment()
