@@ -8,7 +8,6 @@ process and eight run the same code, with rank 0 alone printing and writing file
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from multi_train_utils.distributed_utils import barrier, broadcast_object, is_ma
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 from my_dataset import MyDataSet, SeededBatchSampler, train_transform, val_transform
-from utils import DEMO_DATA_PATH, UserError, make_demo_data, read_split_data, write_json
+from utils import DEMO_DATA_PATH, UserError, available_cores, make_demo_data, read_split_data, write_json
 
 # --demo trains on generated data with settings that finish in a few minutes on a laptop CPU; any flag given
 # on the command line still wins.
@@ -170,8 +169,7 @@ def prepare(args) -> None:
 
 def default_workers(args) -> int:
     """This process's share of the cores, so loader workers of all local processes do not fight for them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores // args.local_world_size, args.batch_size))
+    return max(1, min(8, available_cores() // args.local_world_size, args.batch_size))
 
 
 def build_loaders(args, split, world_size: int, rank: int):
@@ -205,10 +203,8 @@ def train(args) -> dict:
     """Train and validate for args.epochs in this process (one of args.world_size); returns the last metrics."""
     world_size, rank = args.world_size, args.rank
     device = torch.device(args.device)
-    if device.type == "cpu" and args.local_world_size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.local_world_size))
-    if args.demo:
-        make_demo_data(args.data_path)  # cached: only does work if prepare() ran in another process
+    if device.type == "cpu" and args.local_world_size > 1:  # processes on one machine share its cores
+        torch.set_num_threads(max(1, available_cores() // args.local_world_size))
     output_dir = Path(broadcast_object(str(args.output_dir)))  # rank 0's name, whatever each rank's clock said
     weights_dir = output_dir / "weights"
     if is_main_process():

@@ -42,6 +42,11 @@ def exits_on_user_error(function):
     return wrapper
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (fewer than the machine has under taskset, SLURM or a container)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @dataclass
 class DataSplit:
     train_images: list[str]
