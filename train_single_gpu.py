@@ -4,7 +4,7 @@ python train_single_gpu.py --demo
 python train_single_gpu.py --data-path flower_photos --device cuda:0
 """
 
-from multi_train_utils.distributed_utils import init_distributed_mode
+from multi_train_utils.distributed_utils import init_single_process
 from training import parse_args, prepare, train
 from utils import exits_on_user_error
 
@@ -13,8 +13,7 @@ from utils import exits_on_user_error
 def main(argv=None):
     args = parse_args("train_single_gpu", __doc__.splitlines()[0], argv)
     prepare(args)
-    # No launcher variables are set for this script, so this only picks the device: a world of one process.
-    init_distributed_mode(args)
+    init_single_process(args)  # no process group: rank 0 of a world of one, on the chosen device
     train(args)
 
 

@@ -28,19 +28,32 @@ from utils import DEMO_DATA_PATH, UserError, available_cores, make_demo_data, re
 DEMO_DEFAULTS = {"epochs": 10, "img_size": 64, "lr": 0.01}
 
 
-def positive(kind):
+class Parser(argparse.ArgumentParser):
+    """argparse with errors in one line, like every other user error here."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def number(kind, minimum, maximum=None, above_minimum=False):
+    """An argparse type: a number of `kind` within [minimum, maximum] (or above minimum)."""
+
     def parse(text):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        if value < minimum or (above_minimum and value == minimum) or (maximum is not None and value > maximum):
+            bound = f"greater than {minimum}" if above_minimum else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}" + (f" and at most {maximum}" if maximum else ""))
         return value
 
     return parse
 
 
+positive_int, positive_float = number(int, 1), number(float, 0, above_minimum=True)
+
+
 def build_parser(script: str, description: str) -> argparse.ArgumentParser:
     """The flags of all three scripts; `script` adds the few that belong to one launch mode."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     data = p.add_argument_group("data")
     data.add_argument(
         "--data-path", type=Path, help="folder with one sub-folder of images per class (e.g. flower_photos)"
@@ -51,39 +64,51 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
         help=f"train on generated demo flowers (made once in {DEMO_DATA_PATH.parent.name}/) with quick settings",
     )
     data.add_argument(
-        "--num-classes", type=positive(int), help="expected number of classes (default: the number of class folders)"
+        "--num-classes", type=positive_int, help="expected number of classes (default: the number of class folders)"
     )
-    data.add_argument("--val-rate", type=float, default=0.2, help="fraction of each class held out for validation")
+    data.add_argument(
+        "--val-rate",
+        type=number(float, 0, 1, above_minimum=True),
+        default=0.2,
+        help="fraction of each class held out for validation",
+    )
     data.add_argument(
         "--img-size",
-        type=positive(int),
+        type=positive_int,
         default=224,
         help="training crop size; validation resizes to img-size*256/224 and centre-crops",
     )
     data.add_argument(
         "--workers",
-        type=int,
+        type=number(int, 0),
         help="data loader processes per training process (default: this process's share of the CPU cores, at most 8)",
     )
 
     opt = p.add_argument_group("optimisation")
-    opt.add_argument("--epochs", type=positive(int), default=30)
-    opt.add_argument("--batch-size", type=positive(int), default=16, help="images per step in each process")
+    opt.add_argument("--epochs", type=positive_int, default=30)
+    opt.add_argument("--batch-size", type=positive_int, default=16, help="images per step in each process")
     opt.add_argument(
         "--lr",
-        type=positive(float),
+        type=positive_float,
         default=0.001,
         help="learning rate for one process; multiplied by the world size in DDP",
     )
-    opt.add_argument("--lrf", type=float, default=0.1, help="final learning rate as a fraction of --lr (cosine decay)")
-    opt.add_argument("--momentum", type=float, default=0.9)
+    opt.add_argument(
+        "--lrf",
+        type=number(float, 0, 1, above_minimum=True),
+        default=0.1,
+        help="final learning rate as a fraction of --lr (cosine decay)",
+    )
+    opt.add_argument("--momentum", type=number(float, 0, 1), default=0.9)
     opt.add_argument(
         "--weight-decay",
-        type=float,
+        type=number(float, 0),
         default=1e-4,
         help="L2 penalty (the original used 5e-3; 1e-4 is usual for ResNets)",
     )
-    opt.add_argument("--seed", type=int, default=0, help="seeds weights, data split, shuffling and augmentation")
+    opt.add_argument(
+        "--seed", type=number(int, 0), default=0, help="seeds weights, data split, shuffling and augmentation"
+    )
 
     model = p.add_argument_group("model")
     model.add_argument(
@@ -115,13 +140,13 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
         dist.add_argument("--dist-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on CPU")
         dist.add_argument(
             "--dist-timeout",
-            type=positive(int),
+            type=positive_int,
             default=1800,
             help="seconds a collective may wait for a silent process",
         )
     if script == "train_multi_gpu_using_spawn":
         dist.add_argument(
-            "--world-size", type=positive(int), help="processes to start (default: visible GPUs, or 2 without a GPU)"
+            "--world-size", type=positive_int, help="processes to start (default: visible GPUs, or 2 without a GPU)"
         )
     p.set_defaults(script=script)
     return p
@@ -133,8 +158,6 @@ def parse_args(script: str, description: str, argv=None) -> argparse.Namespace:
     if args.demo:
         parser.set_defaults(**DEMO_DEFAULTS)
         args = parser.parse_args(argv)
-    for name in ("sync_bn", "dist_url", "dist_backend", "dist_timeout", "world_size"):
-        args.__dict__.setdefault(name, None)
     return args
 
 
@@ -149,12 +172,6 @@ def prepare(args) -> None:
         raise UserError("no data: give --data-path FOLDER (one sub-folder per class) or --demo")
     if args.demo:
         make_demo_data(args.data_path)
-    if args.seed < 0:
-        raise UserError(f"--seed must be 0 or more, got {args.seed}")
-    if args.workers is not None and args.workers < 0:
-        raise UserError(f"--workers must be 0 or more, got {args.workers}")
-    if not 0 < args.lrf <= 1:
-        raise UserError(f"--lrf must be in (0, 1], got {args.lrf}")
     split = read_split_data(args.data_path, args.val_rate, args.seed)
     if args.num_classes is not None and args.num_classes != len(split.classes):
         raise UserError(
@@ -175,9 +192,12 @@ def default_workers(args) -> int:
 def build_loaders(args, split, world_size: int, rank: int):
     train_set = MyDataSet(split.train_images, split.train_labels, train_transform(args.img_size))
     val_set = MyDataSet(split.val_images, split.val_labels, val_transform(args.img_size))
-    # One sampler for every launch mode: a world of one is DistributedSampler(num_replicas=1). Incomplete last
+    # One sampler for every launch mode: a world of one is DistributedSampler(num_replicas=1). Shards are disjoint
+    # (drop_last: the sampler drops the tail instead of repeating images to even them out), and incomplete
     # batches are dropped, so every step of every rank has the same batch size.
-    shard = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    shard = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
     batches = SeededBatchSampler(BatchSampler(shard, args.batch_size, drop_last=True), args.seed)
     if len(batches) == 0:
         raise UserError(
@@ -197,6 +217,35 @@ def build_loaders(args, split, world_size: int, rank: int):
 def say(*message) -> None:
     if is_main_process():
         print(*message, flush=True)
+
+
+def build_model(args, num_classes: int, device: torch.device):
+    """ResNet-34 with its initial weights, on `device`; in DDP wrapped (and SyncBN-converted when asked).
+
+    Returns (the model to train, the same model without the DDP wrapper, for evaluating and saving).
+    """
+    torch.manual_seed(args.seed)  # the same initial weights in every process; DDP also broadcasts rank 0's
+    model = create_model(num_classes)
+    if args.weights is not None:
+        report = load_weights(model, args.weights)
+        say(f"Weights from {args.weights}: {report.summary()}")
+    if args.freeze_layers:
+        freeze_all_but_head(model)
+    model.to(device)
+    if not args.distributed:
+        return model, model
+    if args.sync_bn and not args.freeze_layers:  # training the head alone, synchronised statistics buy nothing
+        model = convert_sync_batchnorm(model, device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return ddp, model
+
+
+def build_optimizer(args, model, lr: float):
+    """SGD with momentum over the trainable parameters, and the cosine schedule from lr down to lr * lrf."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    scheduler = lr_scheduler.LambdaLR(optimizer, lambda epoch: cosine_factor(epoch, args.epochs, args.lrf))
+    return optimizer, scheduler
 
 
 def train(args) -> dict:
@@ -232,26 +281,8 @@ def train(args) -> dict:
         f"global batch {args.batch_size * world_size}"
     )
 
-    torch.manual_seed(args.seed)  # the same initial weights in every process; DDP also broadcasts rank 0's
-    model = create_model(num_classes)
-    if args.weights is not None:
-        report = load_weights(model, args.weights)
-        say(f"Weights from {args.weights}: {report.summary()}")
-    if args.freeze_layers:
-        freeze_all_but_head(model)
-    model.to(device)
-    model_without_ddp = model
-    if args.distributed:
-        if args.sync_bn and not args.freeze_layers:  # frozen layers: BatchNorm statistics are not trained
-            model = convert_sync_batchnorm(model, device)
-            model_without_ddp = model
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    scheduler = lr_scheduler.LambdaLR(optimizer, lambda epoch: cosine_factor(epoch, args.epochs, args.lrf))
+    model, model_without_ddp = build_model(args, num_classes, device)
+    optimizer, scheduler = build_optimizer(args, model, lr)
 
     writer = SummaryWriter(str(output_dir / "tb")) if is_main_process() else None
     if is_main_process():

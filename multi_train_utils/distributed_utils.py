@@ -66,9 +66,7 @@ def init_distributed_mode(args, rank=None, world_size=None) -> None:
     else:
         found = launcher_environment()
     if found is None:
-        args.rank, args.world_size, args.local_rank, args.local_world_size = 0, 1, 0, 1
-        args.distributed = False
-        args.device = str(resolve_device(args.device))
+        init_single_process(args)
         return
     args.rank, args.world_size = found["rank"], found["world_size"]
     args.local_rank, args.local_world_size = found["local_rank"], found["local_world_size"]
@@ -87,6 +85,13 @@ def init_distributed_mode(args, rank=None, world_size=None) -> None:
         timeout=timedelta(seconds=args.dist_timeout),
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def init_single_process(args) -> None:
+    """Rank 0 of a world of one, no process group: the same fields init_distributed_mode sets."""
+    args.rank, args.world_size, args.local_rank, args.local_world_size = 0, 1, 0, 1
+    args.distributed = False
+    args.device = str(resolve_device(args.device))
 
 
 def resolve_device(name: str | None, local_rank: int | None = None) -> torch.device:

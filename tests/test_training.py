@@ -120,6 +120,19 @@ def test_asking_for_cuda_without_a_gpu_is_one_line_and_exit_2(tiny_data, tmp_pat
     assert_user_error(result, "no CUDA GPU is visible")
 
 
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--epochs", "0"], "--epochs: must be at least 1"),
+        (["--batch-size", "-4"], "--batch-size: must be at least 1"),
+        (["--lr", "0"], "--lr: must be greater than 0"),
+        (["--lr", "fast"], "--lr: invalid"),
+    ],
+)
+def test_out_of_range_numbers_are_one_line_and_exit_2(tiny_data, flags, fragment):
+    assert_user_error(run_script("train_single_gpu.py", "--data-path", tiny_data, *flags), fragment)
+
+
 def test_no_data_path_is_one_line_and_exit_2(tmp_path):
     assert_user_error(run_script("train_single_gpu.py", cwd=tmp_path), "--data-path")
 
@@ -136,7 +149,7 @@ def test_an_output_dir_holding_a_run_is_never_overwritten(tiny_data, tmp_path):
 def test_boolean_flags_are_real_booleans(tiny_data, tmp_path):
     # The original's type=bool turned "--freeze-layers False" into True; here it is refused...
     result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--freeze-layers", "False", *FAST)
-    assert result.returncode == 2 and "unrecognized arguments: False" in result.stderr
+    assert_user_error(result, "unrecognized arguments: False")
     # ...and --no-freeze-layers / --freeze-layers say what they mean.
     from training import parse_args
 
