@@ -17,7 +17,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 
 from model import create_model, freeze_all_but_head, load_weights
-from multi_train_utils.distributed_utils import barrier, broadcast_object, is_main_process
+from multi_train_utils.distributed_utils import barrier, broadcast_object, get_world_size, is_main_process
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 from my_dataset import MyDataSet, SeededBatchSampler, train_transform, val_transform
@@ -240,8 +240,12 @@ def build_model(args, num_classes: int, device: torch.device):
     return ddp, model
 
 
-def build_optimizer(args, model, lr: float):
-    """SGD with momentum over the trainable parameters, and the cosine schedule from lr down to lr * lrf."""
+def build_optimizer(args, model):
+    """SGD with momentum over the trainable parameters, and the cosine schedule from lr down to lr * lrf.
+
+    The rate is --lr times the world size: DDP averages gradients over a global batch that many times larger.
+    """
+    lr = args.lr * get_world_size()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
     scheduler = lr_scheduler.LambdaLR(optimizer, lambda epoch: cosine_factor(epoch, args.epochs, args.lrf))
@@ -264,7 +268,6 @@ def train(args) -> dict:
     )
     num_classes = len(split.classes)
 
-    lr = args.lr * world_size
     say(
         f"{args.script}: {world_size} process(es) on {device.type}"
         + (f", backend {torch.distributed.get_backend()}" if args.distributed else "")
@@ -276,13 +279,13 @@ def train(args) -> dict:
         f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
         f"{num_classes} classes; {workers} loader workers per process"
     )
-    say(
-        f"Learning rate {lr:g} (--lr {args.lr:g} x world size {world_size}); "
-        f"global batch {args.batch_size * world_size}"
-    )
 
     model, model_without_ddp = build_model(args, num_classes, device)
-    optimizer, scheduler = build_optimizer(args, model, lr)
+    optimizer, scheduler = build_optimizer(args, model)
+    say(
+        f"Learning rate {optimizer.param_groups[0]['lr']:g} (--lr {args.lr:g} x world size {world_size}); "
+        f"global batch {args.batch_size * world_size}"
+    )
 
     writer = SummaryWriter(str(output_dir / "tb")) if is_main_process() else None
     if is_main_process():

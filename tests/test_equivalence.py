@@ -53,9 +53,9 @@ def group_norm_resnet(num_classes):
 def _train_steps(rank, world_size, sync_bn, per_sample_norm, lr, result_path):
     if per_sample_norm:
         training.create_model = group_norm_resnet  # this spawned process only
-    args = run_args(distributed=world_size > 1, sync_bn=sync_bn)
+    args = run_args(distributed=world_size > 1, sync_bn=sync_bn, lr=lr)
     model, bare = build_model(args, 5, torch.device("cpu"))
-    optimizer, _ = build_optimizer(args, model, lr * world_size)
+    optimizer, _ = build_optimizer(args, model)  # the rate the scripts use: --lr times the world size
     rows = slice(rank * 2 * B // world_size, (rank + 1) * 2 * B // world_size)
     loss, images = train_one_epoch(model, optimizer, [(x[rows], y[rows]) for x, y in global_batches()], "cpu", 0)
     if rank == 0:

@@ -1,5 +1,6 @@
 """The three scripts end to end, run as a user runs them: what they print, exit with and write."""
 
+import argparse
 import json
 
 import pytest
@@ -40,40 +41,92 @@ def test_a_short_single_process_run_learns(learnable_data, tmp_path):
     assert "No CUDA GPU found" in result.stdout or torch.cuda.is_available()
 
 
-def test_torchrun_with_two_processes_completes_two_epochs(tiny_data, tmp_path):
-    out = tmp_path / "run"
+DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST)
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("torchrun") / "run"
     result = run_script(
         "train_multi_gpu_using_launch.py",
-        *("--data-path", tiny_data, "--output-dir", out, "--epochs", "2", "--device", "cpu", *FAST),
+        "--data-path",
+        tiny_data,
+        "--output-dir",
+        out,
+        *DDP_FLAGS,
         launcher=torchrun(2),
     )
     assert result.returncode == 0, result.stderr
+    return result, out
+
+
+@pytest.fixture(scope="module")
+def spawn_run(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("spawn") / "run"
+    result = run_script(
+        "train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--output-dir", out, "--world-size", "2", *DDP_FLAGS
+    )
+    assert result.returncode == 0, result.stderr
+    return result, out
+
+
+def test_torchrun_with_two_processes_completes_two_epochs(torchrun_run):
+    result, out = torchrun_run
     assert_run_outputs(out, epochs=2, world_size=2)
     assert "2 process(es) on cpu, backend gloo" in result.stdout
     assert result.stdout.count("Learning rate") == 1  # rank 0 alone prints
 
 
-def test_spawn_with_two_processes_completes_two_epochs(tiny_data, tmp_path):
-    out = tmp_path / "run"
-    result = run_script(
-        "train_multi_gpu_using_spawn.py",
-        *(
-            "--data-path",
-            tiny_data,
-            "--output-dir",
-            out,
-            "--epochs",
-            "2",
-            "--device",
-            "cpu",
-            "--world-size",
-            "2",
-            *FAST,
-        ),
-    )
-    assert result.returncode == 0, result.stderr
+def test_spawn_with_two_processes_completes_two_epochs(spawn_run):
+    result, out = spawn_run
     assert_run_outputs(out, epochs=2, world_size=2)
     assert result.stdout.count("Learning rate") == 1
+
+
+def final_weights(out):
+    return torch.load(out / "weights" / "model-1.pth", weights_only=True)
+
+
+def metrics_without_timings(out):
+    timings = {"epoch_seconds", "train_images_per_sec"}
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in timings} for line in lines]
+
+
+def test_torchrun_and_spawn_train_identically(torchrun_run, spawn_run):
+    a, b = final_weights(torchrun_run[1]), final_weights(spawn_run[1])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert metrics_without_timings(torchrun_run[1]) == metrics_without_timings(spawn_run[1])
+
+
+def test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights(tiny_data, torchrun_run):
+    from multi_train_utils.train_eval_utils import evaluate
+    from training import build_loaders
+    from utils import read_split_data
+
+    split = read_split_data(tiny_data, seed=3)
+    args = argparse.Namespace(img_size=32, batch_size=4, seed=3, workers=0, local_world_size=1, device="cpu")
+    model = resnet34(num_classes=5)
+    model.load_state_dict(final_weights(torchrun_run[1]))
+    confusion = evaluate(model, build_loaders(args, split, 1, 0)[1], torch.device("cpu"), 5)
+    logged = json.loads((torchrun_run[1] / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["val_total"] == len(split.val_images) == int(confusion.sum())
+    assert logged["val_correct"] == int(confusion.trace())
+    assert logged["val_per_class_correct"] == confusion.diagonal().tolist()
+
+
+def test_the_same_seed_gives_bitwise_identical_weights_and_another_seed_does_not(tiny_data, tmp_path):
+    def train(seed, name):
+        out = tmp_path / name
+        flags = ("--epochs", "2", "--seed", seed, "--img-size", "32", "--batch-size", "4", "--workers", "2")
+        result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", out, *flags)
+        assert result.returncode == 0, result.stderr
+        return final_weights(out), metrics_without_timings(out)
+
+    (first, first_metrics), (again, again_metrics), (other, _) = train(0, "a"), train(0, "b"), train(1, "c")
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert first_metrics == again_metrics
+    assert not torch.equal(first["fc.weight"], other["fc.weight"])
 
 
 def test_launch_script_started_without_a_launcher_trains_in_one_process(tiny_data, tmp_path):
