@@ -106,10 +106,11 @@ def test_reduce_value_averages_or_sums_over_ranks_and_leaves_its_input_alone(tmp
         assert result["kept"].item() == rank + 1
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])  # with 1, no batch is dropped that could hide a padded repeat
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(tiny_data, world_size):
+def test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(tiny_data, world_size, batch_size):
     split = read_split_data(tiny_data, seed=0)  # 50 training images
-    args = run_args(batch_size=3, local_world_size=world_size)
+    args = run_args(batch_size=batch_size, local_world_size=world_size)
 
     def epoch_indices(epoch):
         shards = []
