@@ -28,6 +28,15 @@ from utils import DEMO_DATA_PATH, UserError, available_cores, make_demo_data, re
 DEMO_DEFAULTS = {"epochs": 10, "img_size": 64, "lr": 0.01}
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default where it has one worth showing (not None, not an off switch)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with errors in one line, like every other user error here."""
 
@@ -53,7 +62,7 @@ positive_int, positive_float = number(int, 1), number(float, 0, above_minimum=Tr
 
 def build_parser(script: str, description: str) -> argparse.ArgumentParser:
     """The flags of all three scripts; `script` adds the few that belong to one launch mode."""
-    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=description, formatter_class=HelpFormatter)
     data = p.add_argument_group("data")
     data.add_argument(
         "--data-path", type=Path, help="folder with one sub-folder of images per class (e.g. flower_photos)"
@@ -85,7 +94,7 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
     )
 
     opt = p.add_argument_group("optimisation")
-    opt.add_argument("--epochs", type=positive_int, default=30)
+    opt.add_argument("--epochs", type=positive_int, default=30, help="passes over the training images")
     opt.add_argument("--batch-size", type=positive_int, default=16, help="images per step in each process")
     opt.add_argument(
         "--lr",
@@ -99,7 +108,7 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
         default=0.1,
         help="final learning rate as a fraction of --lr (cosine decay)",
     )
-    opt.add_argument("--momentum", type=number(float, 0, 1), default=0.9)
+    opt.add_argument("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
     opt.add_argument(
         "--weight-decay",
         type=number(float, 0),
@@ -137,7 +146,11 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
             default="env://",
             help="how processes find each other (env:// reads MASTER_ADDR and MASTER_PORT)",
         )
-        dist.add_argument("--dist-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on CPU")
+        dist.add_argument(
+            "--dist-backend",
+            choices=["nccl", "gloo"],
+            help="communication library (default: nccl on CUDA, gloo on CPU)",
+        )
         dist.add_argument(
             "--dist-timeout",
             type=positive_int,
