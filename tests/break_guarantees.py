@@ -1,0 +1,79 @@
+"""Break each guaranteed property on purpose and check that the test guarding it fails.
+
+    .venv/bin/python tests/break_guarantees.py          # all of them, about 4 minutes on 2 cores
+    .venv/bin/python tests/break_guarantees.py 6a 7     # some
+
+A test that cannot fail proves nothing: this shows each one in README's "What is guaranteed" can. Every break is
+made in a throw-away copy of the repository's tracked files, never in your working tree.
+"""
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EQ, TR, DI = "tests/test_equivalence.py::", "tests/test_training.py::", "tests/test_distributed.py::"
+STEP_TEST = EQ + "test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch"
+SHARD_TEST = EQ + "test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch"
+
+# (name, file, text, replacement, the test that must fail)
+BREAKS = [
+    ("1 SyncBN backward not reduced", "multi_train_utils/sync_batchnorm.py",
+     "        grad = grad.clone()\n        dist.all_reduce(grad)\n", "        grad = grad.clone()\n", STEP_TEST),
+    ("1b lr not scaled by world size", "training.py", "lr = args.lr * get_world_size()", "lr = args.lr", STEP_TEST),
+    ("2 SyncBN despite --no-sync-bn", "training.py", "if args.sync_bn and not args.freeze_layers:",
+     "if not args.freeze_layers:", EQ + "test_without_sync_bn_ddp_differs_exactly_where_batch_statistics_enter"),
+    ("3 augmentation seeded by the clock", "my_dataset.py", "torch.manual_seed(seed)\n", "torch.seed()\n",
+     TR + "test_the_same_seed_gives_bitwise_identical_weights_and_another_seed_does_not"),
+    ("4 spawn ranks seeded differently", "train_multi_gpu_using_spawn.py",
+     "    init_distributed_mode(args, rank=rank, world_size=args.world_size)\n",
+     "    init_distributed_mode(args, rank=rank, world_size=args.world_size)\n    args.seed += 1\n",
+     TR + "test_torchrun_and_spawn_train_identically"),
+    ("5 augmentation from worker RNG", "my_dataset.py",
+     "yield [(index, sample_seed(self.seed, self.epoch, index)) for index in batch]", "yield list(batch)",
+     EQ + "test_augmented_tensors_do_not_depend_on_the_number_of_loader_workers"),
+    ("6a shards padded with repeats", "training.py", "seed=args.seed, drop_last=True", "seed=args.seed", SHARD_TEST),
+    ("6b no reshuffle per epoch", "my_dataset.py", "        self.batch_sampler.sampler.set_epoch(epoch)\n", "",
+     SHARD_TEST),
+    ("7 padded validation sampler", "training.py", "sampler=range(rank, len(val_set), world_size)",
+     "sampler=DistributedSampler(val_set, world_size, rank, shuffle=False)",
+     DI + "test_validation_counts_every_image_once_whatever_the_world_size"),
+    ("8a logged loss of rank 0 only", "multi_train_utils/train_eval_utils.py", "step = reduce_value(",
+     "step = (lambda value, average: value)(", STEP_TEST),
+    ("8b reduce_value does not average", "multi_train_utils/distributed_utils.py",
+     "            value /= get_world_size()\n", "            pass\n",
+     EQ + "test_reduce_value_averages_or_sums_over_ranks_and_leaves_its_input_alone"),
+    ("8c val_acc of rank 0 only", "multi_train_utils/train_eval_utils.py",
+     "return reduce_value(confusion, average=False).cpu()", "return confusion.cpu()",
+     TR + "test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights"),
+]  # fmt: skip
+
+
+def main(selected: list[str]) -> int:
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    missed = 0
+    for name, path, text, replacement, test in BREAKS:
+        if selected and name.split()[0] not in selected:
+            continue
+        with tempfile.TemporaryDirectory() as copy:
+            for file in tracked:
+                (Path(copy) / file).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / file, Path(copy) / file)
+            source = Path(copy) / path
+            original = source.read_text()
+            if original.count(text) != 1:
+                raise SystemExit(f"{name}: the text to break is not in {path} exactly once; update this script")
+            source.write_text(original.replace(text, replacement))
+            command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test]
+            result = subprocess.run(command, cwd=copy, capture_output=True, text=True)
+        caught = result.returncode != 0
+        missed += not caught
+        summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-200:]
+        print(f"{'caught' if caught else 'MISSED'}  {name:36s} {test.split('::')[1]}  [{summary}]", flush=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
