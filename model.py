@@ -12,6 +12,7 @@ from utils import UserError
 
 # Prefixes that wrappers add to parameter names: DataParallel/DDP ("module.") and torch.compile ("_orig_mod.").
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+HEAD_PREFIX = "fc."  # the classifier, replaced when the number of classes differs
 
 
 def create_model(num_classes: int) -> nn.Module:
@@ -88,6 +89,18 @@ def load_weights(model: nn.Module, path) -> LoadReport:
     report.missing = [name for name in own if name not in state_dict]
     if not usable:
         raise UserError(f"weights file {path} has no tensor that fits this model (is it for another architecture?)")
+    # Only the classifier head may differ (another class count); files older than torchvision 0.4.1 (such as
+    # resnet34-333f7ec4.pth) lack the num_batches_tracked counters. Anything else means another network.
+    misfits = [
+        name
+        for name in report.missing + report.skipped_shape
+        if not name.startswith(HEAD_PREFIX) and not name.endswith("num_batches_tracked")
+    ]
+    if misfits:
+        raise UserError(
+            f"weights file {path} does not fit ResNet-34: {len(misfits)} tensors missing or of another shape "
+            f"({', '.join(misfits[:3])}, ...); is it for another architecture?"
+        )
     model.load_state_dict(usable, strict=False)
     return report
 

@@ -10,18 +10,19 @@ group. Started with plain `python`, it trains in one process.
 
 from multi_train_utils.distributed_utils import cleanup, init_distributed_mode, launcher_environment
 from training import parse_args, prepare, train
-from utils import exits_on_user_error
+from utils import entry_point
 
 
-@exits_on_user_error
+@entry_point
 def main(argv=None):
     args = parse_args("train_multi_gpu_using_launch", __doc__.splitlines()[0], argv)
-    prepare(args)
-    if launcher_environment() is None:
+    launched = launcher_environment()
+    if launched is None:
         print("Not started by torchrun or SLURM: training in one process (see --help for the torchrun command).")
+    split = prepare(args, world_size=launched["world_size"] if launched else 1)
     init_distributed_mode(args)
     try:
-        train(args)
+        train(args, split)
     finally:
         cleanup()
 

@@ -6,15 +6,15 @@ python train_single_gpu.py --data-path flower_photos --device cuda:0
 
 from multi_train_utils.distributed_utils import init_single_process
 from training import parse_args, prepare, train
-from utils import exits_on_user_error
+from utils import entry_point
 
 
-@exits_on_user_error
+@entry_point
 def main(argv=None):
     args = parse_args("train_single_gpu", __doc__.splitlines()[0], argv)
-    prepare(args)
+    split = prepare(args, world_size=1)
     init_single_process(args)  # no process group: rank 0 of a world of one, on the chosen device
-    train(args)
+    train(args, split)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ process and eight run the same code, with rank 0 alone printing and writing file
 import argparse
 import json
 import math
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,12 +18,22 @@ from torch.optim import lr_scheduler
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 
+from checkpoint import CHECKPOINT_NAME, load_checkpoint, restore_rng, save_atomically, training_state
 from model import create_model, freeze_all_but_head, load_weights
 from multi_train_utils.distributed_utils import barrier, broadcast_object, get_world_size, is_main_process
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 from my_dataset import MyDataSet, SeededBatchSampler, train_transform, val_transform
-from utils import DEMO_DATA_PATH, UserError, available_cores, make_demo_data, read_split_data, write_json
+from utils import (
+    DEMO_DATA_PATH,
+    DataSplit,
+    UserError,
+    available_cores,
+    make_demo_data,
+    read_split_data,
+    write_class_indices,
+    write_json,
+)
 
 # --demo trains on generated data with settings that finish in a few minutes on a laptop CPU; any flag given
 # on the command line still wins.
@@ -128,6 +140,15 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
     )
 
     run = p.add_argument_group("run")
+    run.add_argument("--resume", type=Path, help="continue the run whose checkpoint.pth this is (in its folder)")
+    run.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="continue from --output-dir's checkpoint.pth when there is one, else start (for torchrun restarts)",
+    )
+    run.add_argument(
+        "--strict-images", action="store_true", help="stop on unreadable images instead of skipping them with a warning"
+    )
     run.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
     run.add_argument(
         "--output-dir", type=Path, help=f"where weights, logs and metrics go (default: runs/{script}-<timestamp>)"
@@ -174,10 +195,11 @@ def parse_args(script: str, description: str, argv=None) -> argparse.Namespace:
     return args
 
 
-def prepare(args) -> None:
-    """Checks and one-time set-up that need no process group: run before processes start where possible.
+def prepare(args, world_size: int) -> DataSplit:
+    """Checks and one-time set-up that need no process group, run before processes start where possible.
 
-    Fills in args.data_path (making the demo data) and args.output_dir, and raises UserError for bad input.
+    Makes the demo data, splits the dataset (checking every image can be read), decides the output folder and
+    whether the run resumes, and raises UserError for bad input, so that mistakes surface before any training.
     """
     if args.demo and args.data_path is None:
         args.data_path = DEMO_DATA_PATH
@@ -185,16 +207,56 @@ def prepare(args) -> None:
         raise UserError("no data: give --data-path FOLDER (one sub-folder per class) or --demo")
     if args.demo:
         make_demo_data(args.data_path)
-    split = read_split_data(args.data_path, args.val_rate, args.seed)
+    split = read_split_data(args.data_path, args.val_rate, args.seed, verify_images=True)
+    if split.unreadable and args.strict_images:
+        raise UserError(f"{len(split.unreadable)} unreadable image(s) (--strict-images): {describe(split.unreadable)}")
     if args.num_classes is not None and args.num_classes != len(split.classes):
         raise UserError(
             f"--num-classes {args.num_classes} but {args.data_path} has {len(split.classes)} class folders: "
             + ", ".join(split.classes)
         )
-    if args.output_dir is None:
+    per_process = len(split.train_images) // world_size
+    if per_process < args.batch_size:
+        raise UserError(
+            f"--batch-size {args.batch_size} is larger than the {per_process} training images each of "
+            f"{world_size} process(es) gets: an epoch would have no step"
+        )
+
+    if args.auto_resume:
+        if args.output_dir is None:
+            raise UserError("--auto-resume needs --output-dir: the folder where a restarted job finds its checkpoint")
+        if args.resume is None and (args.output_dir / CHECKPOINT_NAME).exists():
+            args.resume = args.output_dir / CHECKPOINT_NAME
+    if args.resume is not None:
+        state = load_checkpoint(args.resume)
+        if state["classes"] != split.classes:
+            raise UserError(f"{args.resume} was trained on classes {state['classes']}, the data has {split.classes}")
+        if state["world_size"] != world_size:
+            raise UserError(f"{args.resume} was made by {state['world_size']} process(es); resume with as many")
+        args.output_dir = args.output_dir or args.resume.parent
+    elif args.output_dir is None:
         args.output_dir = Path("runs") / f"{args.script}-{time.strftime('%Y%m%d-%H%M%S')}"
     elif (args.output_dir / "metrics.jsonl").exists():
-        raise UserError(f"{args.output_dir} already holds a run (metrics.jsonl); choose another --output-dir")
+        raise UserError(
+            f"{args.output_dir} already holds a run: continue it with --auto-resume, or choose another --output-dir"
+        )
+    check_writable(args.output_dir)
+    return split
+
+
+def check_writable(folder: Path) -> None:
+    """UserError unless `folder` can be created (or exists) and written to; creates nothing."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        Path(tempfile.mkdtemp(dir=existing, prefix=".write-test-")).rmdir()
+    except OSError as error:
+        raise UserError(f"cannot write the output folder {folder}: {error.strerror} ({existing})") from None
+
+
+def describe(paths: list[str], shown: int = 5) -> str:
+    return ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 
 
 def default_workers(args) -> int:
@@ -212,11 +274,6 @@ def build_loaders(args, split, world_size: int, rank: int):
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
     batches = SeededBatchSampler(BatchSampler(shard, args.batch_size, drop_last=True), args.seed)
-    if len(batches) == 0:
-        raise UserError(
-            f"--batch-size {args.batch_size} is larger than a process's {len(shard)} training images: "
-            "an epoch would have no step"
-        )
     workers = default_workers(args) if args.workers is None else args.workers
     common = {"num_workers": workers, "persistent_workers": workers > 0, "pin_memory": args.device.startswith("cuda")}
     train_loader = DataLoader(train_set, batch_sampler=batches, **common)
@@ -265,8 +322,8 @@ def build_optimizer(args, model):
     return optimizer, scheduler
 
 
-def train(args) -> dict:
-    """Train and validate for args.epochs in this process (one of args.world_size); returns the last metrics."""
+def train(args, split: DataSplit) -> dict:
+    """Train and validate in this process (one of args.world_size) until args.epochs; returns the last metrics."""
     world_size, rank = args.world_size, args.rank
     device = torch.device(args.device)
     if device.type == "cpu" and args.local_world_size > 1:  # processes on one machine share its cores
@@ -275,10 +332,8 @@ def train(args) -> dict:
     weights_dir = output_dir / "weights"
     if is_main_process():
         weights_dir.mkdir(parents=True, exist_ok=True)
+        write_class_indices(split.classes, output_dir)
     barrier()
-    split = read_split_data(
-        args.data_path, args.val_rate, args.seed, output_dir=output_dir if is_main_process() else None
-    )
     num_classes = len(split.classes)
 
     say(
@@ -287,6 +342,8 @@ def train(args) -> dict:
     )
     if device.type == "cpu" and torch.cuda.is_available() is False:
         say("No CUDA GPU found: training on the CPU.")
+    if split.unreadable:
+        say(f"warning: skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
     train_loader, val_loader, workers = build_loaders(args, split, world_size, rank)
     say(
         f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
@@ -299,14 +356,25 @@ def train(args) -> dict:
         f"Learning rate {optimizer.param_groups[0]['lr']:g} (--lr {args.lr:g} x world size {world_size}); "
         f"global batch {args.batch_size * world_size}"
     )
+    start_epoch, best_acc = 0, -1.0
+    if args.resume is not None:
+        state = load_checkpoint(args.resume)
+        model_without_ddp.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state)
+        start_epoch, best_acc = state["epoch"] + 1, state["best_acc"]
+        say(f"Resuming from {args.resume}: epoch {start_epoch} of {args.epochs}, best val acc so far {best_acc:.3f}")
+        if is_main_process():
+            keep_metrics_before(output_dir / "metrics.jsonl", start_epoch)
 
-    writer = SummaryWriter(str(output_dir / "tb")) if is_main_process() else None
+    writer = SummaryWriter(str(output_dir / "tb"), purge_step=start_epoch) if is_main_process() else None
     if is_main_process():
         say(f'Output: {output_dir}  (TensorBoard: tensorboard --logdir "{output_dir / "tb"}")')
         write_json(output_dir / "args.json", {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
 
-    best_acc, metrics = -1.0, {}
-    for epoch in range(args.epochs):
+    metrics = {}
+    for epoch in range(start_epoch, args.epochs):
         train_loader.batch_sampler.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
         epoch_lr = optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
@@ -331,6 +399,7 @@ def train(args) -> dict:
             "train_images_per_sec": train_images / train_seconds,
             "world_size": world_size,
         }
+        improved, best_acc = val_acc > best_acc, max(best_acc, val_acc)
         if is_main_process():
             say(
                 f"[epoch {epoch}] train loss {train_loss:.3f}  val acc {val_acc:.3f} ({val_correct}/{val_total})  "
@@ -341,14 +410,28 @@ def train(args) -> dict:
             with open(output_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             state_dict = model_without_ddp.state_dict()
-            torch.save(state_dict, weights_dir / f"model-{epoch}.pth")
-            if val_acc > best_acc:
-                best_acc = val_acc
-                torch.save(state_dict, weights_dir / "best.pth")
+            save_atomically(state_dict, weights_dir / f"model-{epoch}.pth")
+            if improved:
+                save_atomically(state_dict, weights_dir / "best.pth")
+            # Last, so that a checkpoint never claims an epoch whose outputs are not all written.
+            state = training_state(
+                epoch, model_without_ddp, optimizer, scheduler, None, best_acc, split.classes, world_size, args
+            )
+            save_atomically(state, output_dir / CHECKPOINT_NAME)
+        barrier()  # no rank starts the next epoch before this one's checkpoint is on disk
     if writer is not None:
         writer.close()
     say(f"Done: best val acc {best_acc:.3f}; weights in {weights_dir}")
     return metrics
+
+
+def keep_metrics_before(path: Path, epoch: int) -> None:
+    """Drop metrics lines of epochs the resumed run will train again (written after the last checkpoint)."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["epoch"] < epoch]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(lines))
+        os.replace(tmp, path)
 
 
 def cosine_factor(epoch: int, epochs: int, lrf: float) -> float:

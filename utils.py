@@ -15,7 +15,7 @@ import random
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFilter
@@ -28,8 +28,9 @@ class UserError(Exception):
     """A problem with the user's input: shown as one line on stderr, exit status 2, never a traceback."""
 
 
-def exits_on_user_error(function):
-    """Decorate an entry point: a UserError becomes one line on stderr and exit status 2. Bugs stay tracebacks."""
+def entry_point(function):
+    """Decorate a script's main (or a spawned worker): a UserError becomes one line on stderr and exit status 2,
+    Ctrl-C a short note and status 130. Bugs stay tracebacks."""
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
@@ -38,6 +39,9 @@ def exits_on_user_error(function):
         except UserError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             sys.exit(2)
+        except KeyboardInterrupt:
+            print("interrupted: the last checkpoint (if any) is intact; --resume continues from it", file=sys.stderr)
+            sys.exit(130)
 
     return wrapper
 
@@ -54,6 +58,7 @@ class DataSplit:
     val_images: list[str]
     val_labels: list[int]
     classes: list[str]
+    unreadable: list[str] = field(default_factory=list)  # left out of both sets (with verify_images=True)
 
 
 def list_images(folder: Path) -> list[Path]:
@@ -65,12 +70,24 @@ def list_images(folder: Path) -> list[Path]:
     )
 
 
-def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None) -> DataSplit:
+def image_problem(path) -> str | None:
+    """Why PIL cannot decode this file (truncated, not an image, ...), or None if it can."""
+    try:
+        with Image.open(path) as image:
+            image.draft("RGB", (32, 32))  # JPEGs decode at reduced scale: fast, and still reads every byte
+            image.load()
+    except Exception as error:  # PIL raises many types for bad files; each means "unusable image"
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None, verify_images=False) -> DataSplit:
     """Split a class-per-folder dataset into training and validation lists.
 
     Classes are the sorted sub-folder names. Each class is split on its own (so every class is in both sets),
     from its sorted file list shuffled by a generator seeded with (seed, class name): the split is the same on
-    every rank, every run and every filesystem. With `output_dir`, class_indices.json is written there.
+    every rank, every run and every filesystem. With `verify_images`, every image is decoded once and those
+    that cannot be are left out (listed in .unreadable). With `output_dir`, class_indices.json is written there.
     """
     root = Path(root)
     if not root.exists():
@@ -86,8 +103,12 @@ def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None)
     split = DataSplit([], [], [], [], classes)
     for label, name in enumerate(classes):
         images = list_images(root / name)
+        if verify_images:
+            bad = [path for path in images if image_problem(path) is not None]
+            split.unreadable += map(str, bad)
+            images = [path for path in images if path not in bad]
         if not images:
-            raise UserError(f"class folder {root / name} holds no images ({' '.join(IMAGE_EXTENSIONS)})")
+            raise UserError(f"class folder {root / name} holds no readable images ({' '.join(IMAGE_EXTENSIONS)})")
         if len(images) < 2:
             raise UserError(f"class folder {root / name} has {len(images)} image; at least 2 are needed to split it")
         random.Random(f"{seed}:{name}").shuffle(images)
@@ -100,8 +121,13 @@ def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None)
             labels_out.append(label)
 
     if output_dir is not None:
-        write_json(Path(output_dir) / "class_indices.json", {str(i): name for i, name in enumerate(classes)})
+        write_class_indices(classes, output_dir)
     return split
+
+
+def write_class_indices(classes: list[str], output_dir) -> None:
+    """class_indices.json: {"0": "daisy", "1": "dandelion", ...}, how predictions map back to names."""
+    write_json(Path(output_dir) / "class_indices.json", {str(i): name for i, name in enumerate(classes)})
 
 
 def write_json(path: Path, data) -> None:

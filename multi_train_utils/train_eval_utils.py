@@ -7,10 +7,12 @@ from torch import nn
 from tqdm import tqdm
 
 from multi_train_utils.distributed_utils import is_main_process, reduce_value
+from utils import UserError
 
 
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; raised on every rank at the same step, so no rank is left waiting."""
+class NonFiniteLossError(UserError):
+    """The loss became NaN or infinite (usually too high a learning rate, or bad data); raised on every rank at
+    the same step, so no rank is left waiting, and before the step, so the weights stay finite."""
 
 
 def train_one_epoch(model, optimizer, data_loader, device, epoch: int) -> tuple[float, int]:
@@ -36,7 +38,10 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch: int) -> tuple[
             average=False,
         )
         if not torch.isfinite(step[0]):
-            raise NonFiniteLossError(f"non-finite loss at epoch {epoch}; stopping (lower --lr or check the data)")
+            raise NonFiniteLossError(
+                f"non-finite loss at epoch {epoch}: stopped; lower --lr or check the data "
+                "(the last checkpoint is from before this epoch)"
+            )
         optimizer.step()
         loss_and_count += step
         progress.set_postfix(mean_loss=f"{(loss_and_count[0] / loss_and_count[1]).item():.3f}")

@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 import torch
-from torchvision.models import resnet18, resnet34
+from torchvision.models import resnet18, resnet34, resnet50
 
 from model import create_model, freeze_all_but_head, load_weights
 from utils import UserError
@@ -53,14 +53,15 @@ def test_a_checkpoint_holding_the_model_under_model_is_accepted(tmp_path):
     assert len(load_weights(create_model(5), tmp_path / "checkpoint.pth").loaded) == len(model.state_dict())
 
 
-def test_missing_and_unexpected_keys_are_reported(tmp_path):
+def test_missing_counters_and_unexpected_keys_are_reported(tmp_path):
     state = create_model(5).state_dict()
-    del state["layer1.0.conv1.weight"]
+    del state["bn1.num_batches_tracked"]  # as in files saved before torchvision 0.4.1
     state["extra.weight"] = torch.zeros(1)
     torch.save(state, tmp_path / "w.pth")
     report = load_weights(create_model(5), tmp_path / "w.pth")
-    assert report.missing == ["layer1.0.conv1.weight"]
+    assert report.missing == ["bn1.num_batches_tracked"]
     assert report.unexpected == ["extra.weight"]
+    assert "1 missing from the file" in report.summary() and "1 in the file but not in the model" in report.summary()
 
 
 def test_weights_of_another_architecture_are_refused(tmp_path):
@@ -101,7 +102,11 @@ def test_freezing_leaves_only_the_head_trainable():
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"fc.weight", "fc.bias"}
 
 
-def test_resnet18_weights_do_not_silently_load_as_resnet34(tmp_path):
-    torch.save(resnet18(num_classes=5).state_dict(), tmp_path / "r18.pth")
-    report = load_weights(create_model(5), tmp_path / "r18.pth")
-    assert report.missing  # layers resnet18 lacks are named in the report
+@pytest.mark.parametrize("other", [resnet18, resnet50])
+def test_weights_of_another_resnet_are_refused(tmp_path, other):
+    torch.save(other(num_classes=5).state_dict(), tmp_path / "other.pth")
+    model = create_model(5)
+    before = model.conv1.weight.clone()
+    with pytest.raises(UserError, match="does not fit ResNet-34"):
+        load_weights(model, tmp_path / "other.pth")
+    assert torch.equal(model.conv1.weight, before)  # nothing half-loaded

@@ -76,7 +76,7 @@ def test_class_indices_json_is_written_into_the_output_dir_only(tmp_path, monkey
         ("missing", "does not exist"),
         ("file", "is a file"),
         ("no_classes", "no class sub-folders"),
-        ("empty_class", "holds no images"),
+        ("empty_class", "holds no readable images"),
         ("one_image", "at least 2"),
     ],
 )

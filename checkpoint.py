@@ -1,0 +1,74 @@
+"""Saving and loading the full training state, so that a run killed at any moment continues where it stopped.
+
+A checkpoint holds only tensors and plain Python data, so it loads with torch.load(weights_only=True): loading
+one never runs code. It is written atomically (temporary file in the same folder, fsync, rename): a crash while
+writing leaves the previous checkpoint in place, never half a file.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+
+from utils import UserError
+
+CHECKPOINT_NAME = "checkpoint.pth"
+CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args", "rng"}
+
+
+def save_atomically(obj, path) -> None:
+    """torch.save to `path` so that readers (and crashes) see either the old file or the complete new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def training_state(epoch, model, optimizer, scheduler, scaler, best_acc, classes, world_size, args) -> dict:
+    """Everything needed to continue after `epoch`, as tensors and plain data."""
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return {
+        "epoch": epoch,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "best_acc": best_acc,
+        "classes": list(classes),
+        "world_size": world_size,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "rng": rng,
+    }
+
+
+def load_checkpoint(path) -> dict:
+    """Read a checkpoint written by save_atomically(training_state(...)); UserError if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated, not a torch file, or refused by the safe loader
+        raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error})") from None
+    if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
+        raise UserError(f"{path} is not a training checkpoint of these scripts (weights only? use --weights)")
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["rng"]["torch"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])

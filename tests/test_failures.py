@@ -1,0 +1,151 @@
+"""Surviving crashes: full-state resume, elastic restart, failing ranks, signals, non-finite loss."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAST, ROOT, run_script, torchrun
+
+from checkpoint import load_checkpoint
+
+FAULTS = ROOT / "tests" / "fault_injection"
+
+
+def fault_env(fault: str | None = None) -> dict:
+    """Environment for a run: a unique marker to find its processes by, and optionally an injected fault."""
+    env = {"RUN_MARKER": uuid.uuid4().hex, "PYTHONPATH": f"{FAULTS}{os.pathsep}{ROOT}"}
+    if fault:
+        env["FAULT"] = fault
+    return env
+
+
+def processes_with(marker: str) -> list[int]:
+    """Live processes whose environment carries RUN_MARKER=marker (workers, loader workers, launchers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"RUN_MARKER={marker}".encode() in (proc / "environ").read_bytes():
+                if (proc / "stat").read_text().split(")")[-1].split()[0] != "Z":  # zombies have already exited
+                    found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def start(script, *args, launcher=(), env=None) -> subprocess.Popen:
+    command = [sys.executable, *launcher, str(ROOT / script), *map(str, args)]
+    return subprocess.Popen(
+        command, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for_checkpoint(path: Path, epoch: int, process: subprocess.Popen, timeout=120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        try:
+            if torch.load(path, weights_only=True, mmap=True)["epoch"] >= epoch:
+                return
+        except (FileNotFoundError, RuntimeError, EOFError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint of epoch {epoch} within {timeout} s")
+
+
+def final_state(out: Path, epochs: int):
+    weights = torch.load(out / "weights" / f"model-{epochs - 1}.pth", weights_only=True)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        del line["epoch_seconds"], line["train_images_per_sec"]
+    return weights, lines
+
+
+def test_a_run_killed_after_epoch_2_and_resumed_ends_bitwise_as_an_uninterrupted_run(tiny_data, tmp_path):
+    flags = ("--data-path", tiny_data, "--epochs", "4", *FAST)
+    assert run_script("train_single_gpu.py", *flags, "--output-dir", tmp_path / "straight").returncode == 0
+
+    out = tmp_path / "killed"
+    process = start("train_single_gpu.py", *flags, "--output-dir", out, env=fault_env("slow"))
+    wait_for_checkpoint(out / "checkpoint.pth", epoch=1, process=process)  # epochs 0 and 1 done
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert load_checkpoint(out / "checkpoint.pth")["epoch"] in (1, 2)  # the kill left a whole checkpoint
+    resumed = run_script("train_single_gpu.py", *flags, "--resume", out / "checkpoint.pth")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resuming from" in resumed.stdout
+
+    (expected_weights, expected_metrics), (weights, metrics) = (
+        final_state(tmp_path / "straight", 4),
+        final_state(out, 4),
+    )
+    assert all(torch.equal(expected_weights[k], weights[k]) for k in expected_weights)
+    assert metrics == expected_metrics  # every epoch once, the same numbers
+
+
+def test_torchrun_restarts_a_killed_worker_and_the_run_completes_from_its_checkpoint(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    env = fault_env("slow")
+    launcher = (*torchrun(2), "--max-restarts", "1")
+    flags = ("--data-path", tiny_data, "--epochs", "3", "--device", "cpu", "--output-dir", out, "--auto-resume")
+    process = start("train_multi_gpu_using_launch.py", *flags, *FAST, launcher=launcher, env=env)
+    wait_for_checkpoint(out / "checkpoint.pth", epoch=0, process=process)
+    workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    stdout, stderr = process.communicate(timeout=240)
+    assert process.returncode == 0, stderr
+    assert "Resuming from" in stdout
+    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert not processes_with(env["RUN_MARKER"])
+
+
+@pytest.mark.parametrize("mode", ["torchrun", "spawn"])
+def test_a_rank_that_raises_ends_the_whole_job_promptly(tiny_data, tmp_path, mode):
+    env = fault_env("raise:1:1")  # rank 1 fails at the start of epoch 1, while rank 0 waits for it
+    flags = ("--data-path", tiny_data, "--epochs", "3", "--device", "cpu", "--output-dir", tmp_path / "run", *FAST)
+    started = time.monotonic()
+    if mode == "torchrun":
+        result = run_script("train_multi_gpu_using_launch.py", *flags, launcher=torchrun(2), env=env, timeout=120)
+    else:
+        result = run_script("train_multi_gpu_using_spawn.py", *flags, "--world-size", "2", env=env, timeout=120)
+    assert result.returncode != 0
+    assert "injected failure on rank 1 at epoch 1" in result.stderr
+    assert time.monotonic() - started < 90
+    assert not processes_with(env["RUN_MARKER"])
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pth")["epoch"] == 0
+
+
+def test_sigterm_to_spawn_stops_every_worker_and_keeps_the_checkpoint(tiny_data, tmp_path):
+    env = fault_env("slow")
+    out = tmp_path / "run"
+    flags = ("--data-path", tiny_data, "--epochs", "20", "--device", "cpu", "--world-size", "2", "--output-dir", out)
+    process = start("train_multi_gpu_using_spawn.py", *flags, *FAST, env=env)
+    wait_for_checkpoint(out / "checkpoint.pth", epoch=0, process=process)
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 15
+    while processes_with(env["RUN_MARKER"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_with(env["RUN_MARKER"])
+    assert load_checkpoint(out / "checkpoint.pth")["epoch"] >= 0
+    assert not list(out.glob(".*.tmp"))  # no half-written file left beside it
+
+
+def test_a_non_finite_loss_stops_every_rank_with_one_message_and_keeps_the_last_checkpoint(tiny_data, tmp_path):
+    env = fault_env("nan:1")
+    out = tmp_path / "run"
+    flags = ("--data-path", tiny_data, "--epochs", "3", "--device", "cpu", "--world-size", "2", "--output-dir", out)
+    result = run_script("train_multi_gpu_using_spawn.py", *flags, *FAST, env=env, timeout=120)
+    assert result.returncode == 2
+    assert "error: non-finite loss at epoch 1" in result.stderr and "Traceback" not in result.stderr
+    state = load_checkpoint(out / "checkpoint.pth")
+    assert state["epoch"] == 0
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
