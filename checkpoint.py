@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from utils import UserError
+from utils import UserError, safe_load
 
 CHECKPOINT_NAME = "checkpoint.pth"
 CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args", "rng"}
@@ -56,13 +56,7 @@ def training_state(epoch, model, optimizer, scheduler, scaler, best_acc, classes
 
 def load_checkpoint(path) -> dict:
     """Read a checkpoint written by save_atomically(training_state(...)); UserError if it is not one."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated, not a torch file, or refused by the safe loader
-        raise UserError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error})") from None
+    state = safe_load(path, "checkpoint")
     if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
         raise UserError(f"{path} is not a training checkpoint of these scripts (weights only? use --weights)")
     return state

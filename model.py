@@ -1,14 +1,12 @@
 """The network (torchvision's ResNet-34) and loading pretrained or previously saved weights into it."""
 
-import pickle
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 from torchvision.models import resnet34
 
-from utils import UserError
+from utils import UserError, safe_load
 
 # Prefixes that wrappers add to parameter names: DataParallel/DDP ("module.") and torch.compile ("_orig_mod.").
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -50,21 +48,7 @@ def strip_wrapper_prefixes(state_dict: dict) -> dict:
 
 def read_state_dict(path) -> dict:
     """A state dict from a weights file: a plain state dict, or a checkpoint holding one under "model"."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"weights file {path} does not exist")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        # weights_only=True refuses anything but tensors and plain containers: code in a pickle never runs.
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(
-            f"weights file {path} was refused by the safe loader (weights_only=True): {first_line}"
-        ) from None
-    except Exception as error:  # torch.load raises many types on a file that is not what it should be
-        raise UserError(
-            f"weights file {path} cannot be read as a PyTorch file ({type(error).__name__}: {error})"
-        ) from None
+    data = safe_load(path, "weights file")
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
         data = data["model"]
     if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -49,6 +50,29 @@ def entry_point(function):
 def available_cores() -> int:
     """CPU cores this process may run on (fewer than the machine has under taskset, SLURM or a container)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def safe_load(path, what: str):
+    """torch.load(weights_only=True) of a file the user named, with any failure as a UserError.
+
+    weights_only=True unpickles tensors and plain containers only: a file whose pickle would run code is refused
+    before any of it runs.
+    """
+    import torch  # here, so that the data helpers above do not need torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = str(error).split("WeightsUnpickler error:")[-1].strip().split(". ")[0].split("\n")[0]
+        raise UserError(f"{what} {path} was refused by the safe loader (weights_only=True): {reason}") from None
+    except Exception as error:  # torch.load raises many types for a file that is not a (whole) torch file
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise UserError(
+            f"{what} {path} cannot be read as a PyTorch file ({type(error).__name__}: {first_line})"
+        ) from None
 
 
 @dataclass

@@ -1,0 +1,99 @@
+"""Bad input: one clear line on stderr, exit status 2, nothing overwritten; unreadable images skipped or refused."""
+
+import shutil
+import socket
+
+import pytest
+import torch
+from conftest import FAST, run_script
+from test_training import assert_user_error
+from torchvision.models import resnet18
+
+from model import create_model
+
+
+@pytest.fixture
+def data_with_bad_images(tiny_data, tmp_path):
+    root = shutil.copytree(tiny_data, tmp_path / "data")
+    jpeg = next((root / "roses").glob("*.jpg")).read_bytes()
+    (root / "roses" / "truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])
+    (root / "tulips" / "notes.JPG").write_text("not an image at all")
+    return root
+
+
+def test_unreadable_images_are_skipped_with_one_warning_naming_them(data_with_bad_images, tmp_path):
+    result = run_script("train_single_gpu.py", "--data-path", data_with_bad_images, "--epochs", "1",
+                        "--output-dir", tmp_path / "run", *FAST)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "truncated.jpg" in warnings[0] and "notes.JPG" in warnings[0]
+    assert "skipped 2 unreadable image(s)" in warnings[0]
+
+
+def test_strict_images_turns_unreadable_images_into_an_error(data_with_bad_images, tmp_path):
+    result = run_script("train_single_gpu.py", "--data-path", data_with_bad_images, "--strict-images",
+                        "--output-dir", tmp_path / "run", *FAST)  # fmt: skip
+    assert_user_error(result, "2 unreadable image(s) (--strict-images)")
+    assert not (tmp_path / "run").exists()
+
+
+def bad_weights(tmp_path, kind):
+    path = tmp_path / f"{kind}.pth"
+    if kind == "text":
+        path.write_text("not weights")
+    elif kind == "resnet18":
+        torch.save(resnet18(num_classes=5).state_dict(), path)
+    return path  # "missing": never created
+
+
+@pytest.mark.parametrize(
+    "kind, fragment",
+    [("missing", "does not exist"), ("text", "refused by the safe loader"), ("resnet18", "does not fit ResNet-34")],
+)
+def test_unusable_weights_are_one_line_and_exit_2(tiny_data, tmp_path, kind, fragment):
+    result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--weights", bad_weights(tmp_path, kind),
+                        "--output-dir", tmp_path / "run", *FAST)  # fmt: skip
+    assert_user_error(result, fragment)
+
+
+def test_unusable_resume_files_are_one_line_and_exit_2(tiny_data, tmp_path):
+    weights_only = tmp_path / "weights.pth"
+    torch.save(create_model(5).state_dict(), weights_only)
+    truncated = tmp_path / "checkpoint.pth"
+    truncated.write_bytes(weights_only.read_bytes()[:1000])
+    for path, fragment in [
+        (tmp_path / "absent.pth", "does not exist"),
+        (truncated, "cannot be read"),
+        (weights_only, "not a training checkpoint"),
+    ]:
+        assert_user_error(
+            run_script("train_single_gpu.py", "--data-path", tiny_data, "--resume", path, *FAST), fragment
+        )
+
+
+def test_an_output_folder_that_cannot_be_written_is_one_line_and_exit_2(tiny_data, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", tmp_path / "a_file" / "run")
+    assert_user_error(result, "cannot write the output folder")
+
+
+def test_a_batch_larger_than_a_process_share_of_the_data_is_one_line_and_exit_2(tiny_data, tmp_path):
+    result = run_script("train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--world-size", "2",
+                        "--batch-size", "40", "--output-dir", tmp_path / "run")  # fmt: skip
+    assert_user_error(result, "an epoch would have no step")
+
+
+def test_auto_resume_needs_an_output_folder(tiny_data):
+    assert_user_error(run_script("train_single_gpu.py", "--data-path", tiny_data, "--auto-resume"), "--output-dir")
+
+
+def test_spawn_chooses_another_port_when_master_port_is_taken(tiny_data, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_script("train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--world-size", "2",
+                            "--epochs", "1", "--output-dir", tmp_path / "run", *FAST,
+                            env={"MASTER_PORT": str(port)})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"MASTER_PORT {port} is taken; using" in result.stdout
