@@ -215,6 +215,8 @@ def prepare(args, world_size: int) -> DataSplit:
             f"--num-classes {args.num_classes} but {args.data_path} has {len(split.classes)} class folders: "
             + ", ".join(split.classes)
         )
+    if args.weights is not None:
+        load_weights(create_model(len(split.classes)), args.weights)  # refuse an unusable file before starting
     per_process = len(split.train_images) // world_size
     if per_process < args.batch_size:
         raise UserError(
