@@ -77,14 +77,38 @@ def init_distributed_mode(args, rank=None, world_size=None) -> None:
         torch.cuda.set_device(device)
     args.device = str(device)
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=args.dist_timeout)
+    store = restart_safe_store(args, timeout)
     dist.init_process_group(
         backend=backend,
-        init_method=args.dist_url,
+        init_method=None if store else args.dist_url,
+        store=store,
         world_size=args.world_size,
         rank=args.rank,
-        timeout=timedelta(seconds=args.dist_timeout),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def restart_safe_store(args, timeout: timedelta):
+    """Under torchrun, the key-value store where the processes meet, with a namespace for each restart.
+
+    torchrun keeps one store for all restarts of a job; without a namespace of their own, restarted processes
+    can read the addresses their dead predecessors published there and wait for them until the timeout (seen
+    with torch 2.14: about half of the restarts hung). None elsewhere: init_process_group builds its own.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or args.dist_url != "env://":
+        return None
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        args.world_size,
+        is_master=args.rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"attempt-{attempt}", store)
 
 
 def init_single_process(args) -> None:

@@ -73,9 +73,11 @@ def test_a_run_killed_after_epoch_2_and_resumed_ends_bitwise_as_an_uninterrupted
 
     out = tmp_path / "killed"
     process = start("train_single_gpu.py", *flags, "--output-dir", out, env=fault_env("slow"))
-    wait_for_checkpoint(out / "checkpoint.pth", epoch=1, process=process)  # epochs 0 and 1 done
-    process.send_signal(signal.SIGKILL)
-    process.communicate()
+    try:
+        wait_for_checkpoint(out / "checkpoint.pth", epoch=1, process=process)  # epochs 0 and 1 done
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.communicate()
     assert load_checkpoint(out / "checkpoint.pth")["epoch"] in (1, 2)  # the kill left a whole checkpoint
     resumed = run_script("train_single_gpu.py", *flags, "--resume", out / "checkpoint.pth")
     assert resumed.returncode == 0, resumed.stderr
@@ -93,13 +95,17 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_completes_from_its_checkp
     out = tmp_path / "run"
     env = fault_env("slow")
     launcher = (*torchrun(2), "--max-restarts", "1")
-    flags = ("--data-path", tiny_data, "--epochs", "3", "--device", "cpu", "--output-dir", out, "--auto-resume")
+    flags = ("--data-path", tiny_data, "--epochs", "3", "--device", "cpu", "--output-dir", out, "--auto-resume",
+             "--dist-timeout", "60")  # fmt: skip
     process = start("train_multi_gpu_using_launch.py", *flags, *FAST, launcher=launcher, env=env)
-    wait_for_checkpoint(out / "checkpoint.pth", epoch=0, process=process)
-    workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
-    assert len(workers) == 2
-    os.kill(workers[1], signal.SIGKILL)
-    stdout, stderr = process.communicate(timeout=240)
+    try:
+        wait_for_checkpoint(out / "checkpoint.pth", epoch=0, process=process)
+        workers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        stdout, stderr = process.communicate(timeout=240)
+    finally:
+        process.kill()  # a no-op when it has finished; never leave a hung job behind
     assert process.returncode == 0, stderr
     assert "Resuming from" in stdout
     assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
@@ -127,9 +133,12 @@ def test_sigterm_to_spawn_stops_every_worker_and_keeps_the_checkpoint(tiny_data,
     out = tmp_path / "run"
     flags = ("--data-path", tiny_data, "--epochs", "20", "--device", "cpu", "--world-size", "2", "--output-dir", out)
     process = start("train_multi_gpu_using_spawn.py", *flags, *FAST, env=env)
-    wait_for_checkpoint(out / "checkpoint.pth", epoch=0, process=process)
-    process.send_signal(signal.SIGTERM)
-    process.communicate(timeout=60)
+    try:
+        wait_for_checkpoint(out / "checkpoint.pth", epoch=0, process=process)
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    finally:
+        process.kill()
     assert process.returncode == 128 + signal.SIGTERM
     deadline = time.monotonic() + 15
     while processes_with(env["RUN_MARKER"]) and time.monotonic() < deadline:
