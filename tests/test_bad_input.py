@@ -97,3 +97,15 @@ def test_spawn_chooses_another_port_when_master_port_is_taken(tiny_data, tmp_pat
                             env={"MASTER_PORT": str(port)})  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert f"MASTER_PORT {port} is taken; using" in result.stdout
+
+
+def test_spawn_refuses_more_processes_than_visible_gpus(tiny_data, monkeypatch, capsys):
+    # Pretend one GPU is visible: the check runs before any process or CUDA call is made.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    import train_multi_gpu_using_spawn
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_multi_gpu_using_spawn.main(["--data-path", str(tiny_data), "--device", "cuda", "--world-size", "2"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --world-size 2 but only 1 GPUs are visible (one process per GPU)"
