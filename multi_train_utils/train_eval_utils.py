@@ -31,12 +31,9 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch: int) -> tuple[
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
 
-        step = reduce_value(
-            torch.stack(
-                [loss.detach().double() * len(labels), torch.tensor(len(labels), dtype=torch.float64, device=device)]
-            ),
-            average=False,
-        )
+        # (sum of the step's sample losses, samples), over every rank
+        step = torch.tensor([loss.item() * len(labels), len(labels)], dtype=torch.float64, device=device)
+        step = reduce_value(step, average=False)
         if not torch.isfinite(step[0]):
             raise NonFiniteLossError(
                 f"non-finite loss at epoch {epoch}: stopped; lower --lr or check the data "
