@@ -20,7 +20,6 @@ from utils import read_split_data
 
 B = 4  # images per rank per step
 SIZE = 64  # at 32 px layer4 is 1x1, and BatchNorm over 8 values makes the steps needlessly ill-conditioned
-STEPS = 3  # enough for momentum and weight decay to matter
 # --lr of the DDP run: world size 2 trains at 0.001 (the scripts' default scale), as one process with --lr 0.001
 # on the 2B images does. Much larger rates make a random network on random images diverge, and a diverging run
 # amplifies float rounding (1e-7) past any tolerance within a few steps.
@@ -36,12 +35,12 @@ def run_args(**overrides):
     return argparse.Namespace(**{**values, **overrides})
 
 
-def global_batches():
-    """STEPS global batches of 2B images; rank r of 2 takes rows r*B..(r+1)*B of each."""
+def global_batches(steps):
+    """`steps` global batches of 2B images; rank r of 2 takes rows r*B..(r+1)*B of each."""
     g = torch.Generator().manual_seed(0)
     return [
         (torch.randn(2 * B, 3, SIZE, SIZE, generator=g), torch.randint(0, 5, (2 * B,), generator=g))
-        for _ in range(STEPS)
+        for _ in range(steps)
     ]
 
 
@@ -50,21 +49,21 @@ def group_norm_resnet(num_classes):
     return resnet34(num_classes=num_classes, norm_layer=lambda channels: nn.GroupNorm(8, channels))
 
 
-def _train_steps(rank, world_size, sync_bn, per_sample_norm, lr, result_path):
+def _train_steps(rank, world_size, steps, sync_bn, per_sample_norm, lr, result_path):
     if per_sample_norm:
         training.create_model = group_norm_resnet  # this spawned process only
     args = run_args(distributed=world_size > 1, sync_bn=sync_bn, lr=lr)
     model, bare = build_model(args, 5, torch.device("cpu"))
     optimizer, _ = build_optimizer(args, model)  # the rate the scripts use: --lr times the world size
     rows = slice(rank * 2 * B // world_size, (rank + 1) * 2 * B // world_size)
-    loss, images = train_one_epoch(model, optimizer, [(x[rows], y[rows]) for x, y in global_batches()], "cpu", 0)
+    loss, images = train_one_epoch(model, optimizer, [(x[rows], y[rows]) for x, y in global_batches(steps)], "cpu", 0)
     if rank == 0:
         torch.save({"state": bare.state_dict(), "loss": loss, "images": images}, result_path)
 
 
-def train_both_ways(tmp_path, sync_bn=True, per_sample_norm=False):
-    spawn_world(_train_steps, 2, sync_bn, per_sample_norm, LR, tmp_path / "ddp.pt")
-    spawn_world(_train_steps, 1, sync_bn, per_sample_norm, 2 * LR, tmp_path / "single.pt")
+def train_both_ways(tmp_path, steps=3, sync_bn=True, per_sample_norm=False):
+    spawn_world(_train_steps, 2, steps, sync_bn, per_sample_norm, LR, tmp_path / "ddp.pt")
+    spawn_world(_train_steps, 1, steps, sync_bn, per_sample_norm, 2 * LR, tmp_path / "single.pt")
     return torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "single.pt")
 
 
@@ -72,9 +71,10 @@ def max_difference(a: dict, b: dict, only=lambda name: True) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a if only(k) and a[k].is_floating_point())
 
 
-def test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch(tmp_path):
-    ddp, single = train_both_ways(tmp_path)
-    assert ddp["images"] == single["images"] == STEPS * 2 * B
+@pytest.mark.parametrize("steps", [1, 3])  # 3: momentum and weight decay take part
+def test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch(tmp_path, steps):
+    ddp, single = train_both_ways(tmp_path, steps)
+    assert ddp["images"] == single["images"] == steps * 2 * B
     assert max_difference(ddp["state"], single["state"]) <= 1e-5  # weights, and BatchNorm running statistics
     assert abs(ddp["loss"] - single["loss"]) <= 1e-5  # the logged loss: the mean over every sample of every rank
     initial = build_model(run_args(), 5, torch.device("cpu"))[0].state_dict()
