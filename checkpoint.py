@@ -5,34 +5,17 @@ one never runs code. It is written atomically (temporary file in the same folder
 writing leaves the previous checkpoint in place, never half a file.
 """
 
-import os
-from pathlib import Path
-
 import torch
 
-from utils import UserError, safe_load
+from utils import UserError, plain_args, safe_load, write_atomically
 
 CHECKPOINT_NAME = "checkpoint.pth"
 CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args", "rng"}
 
 
 def save_atomically(obj, path) -> None:
-    """torch.save to `path` so that readers (and crashes) see either the old file or the complete new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
+    """torch.save to `path`; readers (and crashes) see either the old file or the complete new one."""
+    write_atomically(path, lambda f: torch.save(obj, f), binary=True)
 
 
 def training_state(epoch, model, optimizer, scheduler, scaler, best_acc, classes, world_size, args) -> dict:
@@ -49,7 +32,7 @@ def training_state(epoch, model, optimizer, scheduler, scaler, best_acc, classes
         "best_acc": best_acc,
         "classes": list(classes),
         "world_size": world_size,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": plain_args(args),
         "rng": rng,
     }
 

@@ -8,7 +8,6 @@ process and eight run the same code, with rank 0 alone printing and writing file
 import argparse
 import json
 import math
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,9 @@ from utils import (
     UserError,
     available_cores,
     make_demo_data,
+    plain_args,
     read_split_data,
+    write_atomically,
     write_class_indices,
     write_json,
 )
@@ -373,7 +374,7 @@ def train(args, split: DataSplit) -> dict:
     writer = SummaryWriter(str(output_dir / "tb"), purge_step=start_epoch) if is_main_process() else None
     if is_main_process():
         say(f'Output: {output_dir}  (TensorBoard: tensorboard --logdir "{output_dir / "tb"}")')
-        write_json(output_dir / "args.json", {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+        write_json(output_dir / "args.json", plain_args(args))
 
     metrics = {}
     for epoch in range(start_epoch, args.epochs):
@@ -431,9 +432,7 @@ def keep_metrics_before(path: Path, epoch: int) -> None:
     """Drop metrics lines of epochs the resumed run will train again (written after the last checkpoint)."""
     if path.exists():
         lines = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["epoch"] < epoch]
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(lines))
-        os.replace(tmp, path)
+        write_atomically(path, lambda f: f.writelines(lines))
 
 
 def cosine_factor(epoch: int, epochs: int, lrf: float) -> float:

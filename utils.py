@@ -154,15 +154,34 @@ def write_class_indices(classes: list[str], output_dir) -> None:
     write_json(Path(output_dir) / "class_indices.json", {str(i): name for i, name in enumerate(classes)})
 
 
-def write_json(path: Path, data) -> None:
-    """Write JSON atomically: a reader sees the old file or the new one, never half of one."""
+def write_atomically(path, write, binary: bool = False) -> None:
+    """Create or replace `path` with what write(file) writes, so that readers and crashes see either the old
+    file or the whole new one: a temporary file in the same folder, fsync, rename, fsync of the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb" if binary else "w") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # make the rename itself durable
+    finally:
+        os.close(folder)
+
+
+def write_json(path, data) -> None:
+    write_atomically(path, lambda f: f.write(json.dumps(data, indent=2) + "\n"))
+
+
+def plain_args(args) -> dict:
+    """The flags of a run as JSON-able plain data (paths as strings)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
 
 
 # --- Offline demo data -------------------------------------------------------------------------------------------

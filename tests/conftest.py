@@ -1,11 +1,13 @@
-"""Shared test fixtures: small generated datasets and a way to run the scripts as a user would."""
+"""Shared test fixtures and helpers: small generated datasets, running the scripts as a user would, reading runs."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -16,19 +18,40 @@ from utils import make_demo_data  # noqa: E402
 FAST = ["--img-size", "32", "--batch-size", "4", "--workers", "0"]
 
 
+def script_command(script: str, *args, launcher=()) -> list[str]:
+    return [sys.executable, *launcher, str(ROOT / script), *map(str, args)]
+
+
 def run_script(script: str, *args, launcher=(), cwd=None, timeout=300, env=None) -> subprocess.CompletedProcess:
     """Run one of the repository's scripts in a fresh interpreter, as a user would from a shell."""
-    command = [sys.executable, *launcher, str(ROOT / script), *map(str, args)]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
-        command,
+        script_command(script, *args, launcher=launcher),
         cwd=cwd or ROOT,
-        env=full_env,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
+
+
+def assert_user_error(result, fragment: str):
+    """Bad input: exit status 2 and one line on stderr, no traceback."""
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def final_weights(out: Path, epoch: int = 1) -> dict:
+    return torch.load(out / "weights" / f"model-{epoch}.pth", weights_only=True)
+
+
+def metrics_without_timings(out: Path) -> list[dict]:
+    """A run's metrics.jsonl, without the numbers that differ from run to run (timings)."""
+    timings = {"epoch_seconds", "train_images_per_sec"}
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in timings} for line in lines]
 
 
 def torchrun(nproc: int) -> tuple[str, ...]:

@@ -5,8 +5,7 @@ import socket
 
 import pytest
 import torch
-from conftest import FAST, run_script
-from test_training import assert_user_error
+from conftest import FAST, assert_user_error, run_script
 from torchvision.models import resnet18
 
 from model import create_model

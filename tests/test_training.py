@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, run_script, torchrun
+from conftest import FAST, assert_user_error, final_weights, metrics_without_timings, run_script, torchrun
 from PIL import Image
 from torchvision.models import resnet34
 
@@ -83,16 +83,6 @@ def test_spawn_with_two_processes_completes_two_epochs(spawn_run):
     assert result.stdout.count("Learning rate") == 1
 
 
-def final_weights(out):
-    return torch.load(out / "weights" / "model-1.pth", weights_only=True)
-
-
-def metrics_without_timings(out):
-    timings = {"epoch_seconds", "train_images_per_sec"}
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in timings} for line in lines]
-
-
 def test_torchrun_and_spawn_train_identically(torchrun_run, spawn_run):
     a, b = final_weights(torchrun_run[1]), final_weights(spawn_run[1])
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -150,13 +140,6 @@ def test_a_folder_of_grayscale_pngs_with_ten_classes_trains_unchanged(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert_run_outputs(out, epochs=1, world_size=1, num_classes=10)
-
-
-def assert_user_error(result, fragment: str):
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("script", ["train_single_gpu.py", "train_multi_gpu_using_spawn.py"])
