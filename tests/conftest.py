@@ -69,3 +69,19 @@ def tiny_data(tmp_path_factory) -> Path:
 def learnable_data(tmp_path_factory) -> Path:
     """5 classes x 80 demo JPEGs: a 6-epoch run at 64 px learns well above chance (0.66-0.69 over seeds 0-2)."""
     return make_demo_data(tmp_path_factory.mktemp("data") / "learnable", images_per_class=80)
+
+
+@pytest.fixture(scope="session")
+def trained_run(learnable_data, tmp_path_factory):
+    """One short single-process run on learnable_data (6 epochs at 64 px): its folder and the finished process.
+
+    Shared by every test that needs a trained model (predict, evaluate, plots), so the suite trains it once.
+    """
+    out = tmp_path_factory.mktemp("trained") / "run"
+    result = run_script(
+        "train_single_gpu.py",
+        *("--data-path", learnable_data, "--output-dir", out, "--img-size", "64", "--batch-size", "16"),
+        *("--epochs", "6", "--lr", "0.01", "--workers", "1"),
+    )
+    assert result.returncode == 0, result.stderr
+    return out, result

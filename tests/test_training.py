@@ -27,14 +27,8 @@ def assert_run_outputs(out, epochs: int, world_size: int, num_classes: int = 5):
     return lines
 
 
-def test_a_short_single_process_run_learns(learnable_data, tmp_path):
-    out = tmp_path / "run"
-    result = run_script(
-        "train_single_gpu.py",
-        *("--data-path", learnable_data, "--output-dir", out, "--img-size", "64", "--batch-size", "16"),
-        *("--epochs", "6", "--lr", "0.01", "--workers", "1"),
-    )
-    assert result.returncode == 0, result.stderr
+def test_a_short_single_process_run_learns(trained_run):
+    out, result = trained_run
     metrics = assert_run_outputs(out, epochs=6, world_size=1)
     assert metrics[-1]["val_acc"] >= 0.5, metrics  # chance is 0.2
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
