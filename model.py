@@ -1,10 +1,18 @@
-"""The network (torchvision's ResNet-34) and loading pretrained or previously saved weights into it."""
+"""The network (torchvision's ResNet-34), finding the weights file `--weights` names (ImageNet weights from
+torchvision's cache, downloaded there once), and loading pretrained or previously saved weights into it."""
 
+import fcntl
+import http.client
+import os
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.error import HTTPError, URLError
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
-from torchvision.models import resnet34
+from torchvision.models import ResNet34_Weights, resnet34
 
 from utils import UserError, safe_load
 
@@ -12,9 +20,69 @@ from utils import UserError, safe_load
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 HEAD_PREFIX = "fc."  # the classifier, replaced when the number of classes differs
 
+IMAGENET = "imagenet"  # `--weights imagenet`: torchvision's ImageNet-1K weights for ResNet-34
+IMAGENET_WEIGHTS = ResNet34_Weights.IMAGENET1K_V1  # resnet34-b627a593.pth, 1000-class head
+# torch.hub sets no timeout of its own, so a network that drops packets would hang the download for minutes (a
+# stalled read, for ever). This bounds each connection attempt and each read; pip's default is the same.
+DOWNLOAD_TIMEOUT_S = 15
+
 
 def create_model(num_classes: int) -> nn.Module:
     return resnet34(num_classes=num_classes)
+
+
+def weights_file(spec: str | os.PathLike) -> Path:
+    """The file that `--weights spec` names, for load_weights.
+
+    The word "imagenet" (IMAGENET, as a str) names torchvision's ImageNet weights for ResNet-34: see
+    imagenet_weights_file, which downloads them if they are not cached yet. Anything else is a path, returned as
+    it is (load_weights says so when it does not exist); a file that is really called "imagenet" is `./imagenet`.
+    """
+    if isinstance(spec, str) and spec == IMAGENET:
+        return imagenet_weights_file()
+    return Path(spec)
+
+
+def imagenet_weights_file(url: str = IMAGENET_WEIGHTS.url) -> Path:
+    """torchvision's ImageNet weights file in torchvision's cache, downloaded from `url` first if not there yet.
+
+    The cache is the one torchvision's own `weights.get_state_dict()` uses: torch.hub.get_dir()/checkpoints
+    (~/.cache/torch/hub/checkpoints unless TORCH_HOME or XDG_CACHE_HOME say otherwise), the file named as in the
+    URL. The download is torch.hub's, with torchvision's check that the file's sha256 starts with the hash in its
+    name; it writes to a temporary file beside the real one and renames it when complete (deleting it on
+    failure), so a failed or interrupted download never leaves a file under the real name.
+
+    Call it before training starts (the scripts do, in training.prepare), so that a missing network is one
+    error line at start-up. Processes that ask at the same time (every torchrun rank runs prepare) take turns
+    on a lock file beside the cache file: one downloads, the others then find the file.
+
+    Raises UserError when the download fails (no network, a timeout, a file that is not the expected one),
+    saying where to fetch the file from and where to put it.
+    """
+    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(url).path)
+    if path.is_file():
+        return path
+    hash_match = torch.hub.HASH_REGEX.search(path.name)
+    fetch_by_hand = f"fetch {url} and put it at {path}"
+    previous_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # taken by the sockets urllib opens inside torch.hub
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / f".{path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.is_file():  # else another process downloaded it while we waited
+                print(f"Downloading {url} to {path}", flush=True)
+                torch.hub.download_url_to_file(url, str(path), hash_match.group(1) if hash_match else None)
+    except (OSError, http.client.HTTPException) as error:  # URLError, refused, reset, timed out: all OSErrors
+        reason = error.reason if isinstance(error, URLError) and not isinstance(error, HTTPError) else error
+        raise UserError(f"cannot download ImageNet weights (no network? {reason}): {fetch_by_hand}") from None
+    except RuntimeError as error:  # torch.hub's hash check: a proxy's error page, a truncated file, ...
+        if "invalid hash value" not in str(error):
+            raise
+        raise UserError(f"the file downloaded from {url} is not the expected one ({error}): {fetch_by_hand}") from None
+    finally:
+        socket.setdefaulttimeout(previous_timeout)
+    return path
 
 
 @dataclass

@@ -1,13 +1,36 @@
-"""Loading weights: ImageNet-style files, our own saved weights, wrapper prefixes, and files that must be refused."""
+"""Loading weights: ImageNet-style files, our own saved weights, wrapper prefixes, and files that must be refused;
+`--weights imagenet` (torchvision's cached file, its download, and failing clearly offline). No test uses the
+network: the ImageNet file is made locally, and downloads go to a web server on 127.0.0.1 or find no network."""
 
+import hashlib
 import pickle
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torchvision.models import resnet18, resnet34, resnet50
 
-from model import create_model, freeze_all_but_head, load_weights
+from model import (
+    IMAGENET,
+    IMAGENET_WEIGHTS,
+    create_model,
+    freeze_all_but_head,
+    imagenet_weights_file,
+    load_weights,
+    weights_file,
+)
+from my_dataset import IMAGENET_MEAN, IMAGENET_STD, val_transform
 from utils import UserError
+
+OFFICIAL_NAME = "resnet34-b627a593.pth"  # the file name in IMAGENET_WEIGHTS.url, under which torch.hub caches it
 
 
 def test_a_1000_class_file_loads_everything_but_the_head(tmp_path):
@@ -110,3 +133,141 @@ def test_weights_of_another_resnet_are_refused(tmp_path, other):
     with pytest.raises(UserError, match="does not fit ResNet-34"):
         load_weights(model, tmp_path / "other.pth")
     assert torch.equal(model.conv1.weight, before)  # nothing half-loaded
+
+
+# --- --weights imagenet ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_cache(tmp_path, monkeypatch):
+    """An empty torch cache of the test's own (TORCH_HOME); returns the folder torchvision downloads weights into."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    return tmp_path / "torch" / "hub" / "checkpoints"
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """A machine without network: every host name lookup fails as it does offline. Returns the names looked up."""
+    looked_up = []
+
+    def offline_lookup(host, *args, **kwargs):
+        looked_up.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", offline_lookup)
+    return looked_up
+
+
+@pytest.fixture
+def web_server(monkeypatch):
+    """A web server on 127.0.0.1 whose answer each test sets: headers announcing `length` bytes (default: the
+    body's), `body`, then, when the body is shorter, nothing more until the test ends (a download that stalls).
+    `requests` counts the downloads; url(name) is the address of a file of that name."""
+    monkeypatch.setenv("no_proxy", "*")  # straight to 127.0.0.1, even where a proxy is configured
+    test_over = threading.Event()
+    answer = SimpleNamespace(body=b"", length=None, delay_s=0.0, requests=0)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            answer.requests += 1
+            time.sleep(answer.delay_s)
+            self.send_response(200)
+            self.send_header("Content-Length", str(answer.length or len(answer.body)))
+            self.end_headers()
+            self.wfile.write(answer.body)
+            self.wfile.flush()
+            if answer.length:
+                test_over.wait(timeout=60)
+
+        def log_message(self, *args):  # keep the test output clean
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    answer.url = lambda name: f"http://127.0.0.1:{server.server_port}/models/{name}"
+    yield answer
+    test_over.set()
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("with_counters", [True, False], ids=["with-num_batches_tracked", "without"])
+def test_cached_imagenet_weights_are_found_offline_and_load_all_but_the_head(torch_cache, no_network, with_counters):
+    torch.manual_seed(2)
+    # The official file's layout: torchvision's 1000-class ResNet-34. Every tensor differs from a fresh model's,
+    # so that equality below proves it was loaded. Old files lack the num_batches_tracked counters.
+    official = {
+        name: torch.randn_like(tensor) if tensor.is_floating_point() else tensor + 123
+        for name, tensor in resnet34(num_classes=1000).state_dict().items()
+        if with_counters or not name.endswith("num_batches_tracked")
+    }
+    torch_cache.mkdir(parents=True)
+    torch.save(official, torch_cache / OFFICIAL_NAME)
+
+    path = weights_file(IMAGENET)
+    model = create_model(num_classes=5)
+    report = load_weights(model, path)
+
+    assert path == torch_cache / OFFICIAL_NAME and no_network == []  # found in the cache, no download tried
+    assert report.loaded == [name for name in official if not name.startswith("fc.")]
+    assert all(torch.equal(model.state_dict()[name], official[name]) for name in report.loaded)
+    assert report.skipped_shape == ["fc.weight", "fc.bias"] and model.fc.weight.shape == (5, 512)
+    assert "2 skipped for a different shape: fc.weight, fc.bias" in report.summary()
+    assert len(report.missing) == (0 if with_counters else 36)  # the counters; a fresh model's are used
+
+
+def test_offline_imagenet_fails_with_the_url_and_where_to_put_the_file(torch_cache, no_network):
+    with pytest.raises(UserError) as caught:
+        weights_file(IMAGENET)
+
+    message = str(caught.value)
+    assert message.startswith("cannot download ImageNet weights (no network?") and "\n" not in message
+    assert f"fetch {IMAGENET_WEIGHTS.url} and put it at {torch_cache / OFFICIAL_NAME}" in message
+    assert no_network == ["download.pytorch.org"]  # torch.hub's download tried, and failed as it does offline
+    assert [p.name for p in torch_cache.iterdir()] == [f".{OFFICIAL_NAME}.lock"]  # no weights file, no .partial
+
+
+def test_a_stalled_download_gives_up_after_the_timeout_and_leaves_no_partial_file(torch_cache, web_server, monkeypatch):
+    monkeypatch.setattr("model.DOWNLOAD_TIMEOUT_S", 0.5)
+    web_server.body, web_server.length = b"x" * 1000, 10**6  # 1000 bytes of a million, then silence
+
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"no network\? timed out\): fetch http://127\.0\.0\.1:\d+/models/resnet34"):
+        imagenet_weights_file(web_server.url(OFFICIAL_NAME))
+
+    assert time.monotonic() - started < 10
+    assert [p.name for p in torch_cache.iterdir()] == [f".{OFFICIAL_NAME}.lock"]
+
+
+def test_a_download_that_is_not_the_expected_file_is_refused_and_not_kept(torch_cache, web_server):
+    web_server.body = b"<html>Please sign in to use this network</html>"  # a captive portal's answer
+    with pytest.raises(UserError, match="is not the expected one .*invalid hash value.*and put it at"):
+        imagenet_weights_file(web_server.url(OFFICIAL_NAME))
+    assert not (torch_cache / OFFICIAL_NAME).exists()
+
+
+def test_processes_asking_at_once_download_once(torch_cache, web_server):
+    web_server.body, web_server.delay_s = b"pretend weights", 0.3
+    name = f"resnet34-{hashlib.sha256(web_server.body).hexdigest()[:8]}.pth"  # passes torch.hub's hash check
+    # Threads stand in for processes: each opens the lock file itself, and flock locks are per open file.
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(imagenet_weights_file, [web_server.url(name)] * 2))
+    assert paths == [torch_cache / name] * 2
+    assert web_server.requests == 1
+    assert (torch_cache / name).read_bytes() == web_server.body
+
+
+def test_a_path_is_returned_unchanged(tmp_path, no_network):
+    assert weights_file(tmp_path / "best.pth") == tmp_path / "best.pth"
+    assert weights_file("runs/a/weights/best.pth") == Path("runs/a/weights/best.pth")
+    assert weights_file(Path("imagenet")) == Path("imagenet")  # a file of that name: only the word is special
+    assert no_network == []
+
+
+def test_the_dataset_prepares_images_as_the_imagenet_weights_expect():
+    official = IMAGENET_WEIGHTS.transforms()  # resize 256, centre crop 224, ImageNet mean and std
+    assert (tuple(official.mean), tuple(official.std)) == (IMAGENET_MEAN, IMAGENET_STD)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 400, 3), dtype=np.uint8))
+    one_level = 1 / 255 / min(IMAGENET_STD)  # resizing PIL images or uint8 tensors may round a pixel differently
+    torch.testing.assert_close(val_transform(224)(image), official(image), rtol=0, atol=one_level * 1.01)
