@@ -8,6 +8,8 @@ process and eight run the same code, with rank 0 alone printing and writing file
 import argparse
 import json
 import math
+import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,20 +18,37 @@ import torch
 from torch.optim import lr_scheduler
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams
 
 from checkpoint import CHECKPOINT_NAME, load_checkpoint, restore_rng, save_atomically, training_state
-from model import create_model, freeze_all_but_head, load_weights
+from model import IMAGENET, create_model, freeze_all_but_head, load_weights, weights_file
 from multi_train_utils.distributed_utils import barrier, broadcast_object, get_world_size, is_main_process
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
-from my_dataset import MyDataSet, SeededBatchSampler, train_transform, val_transform
+from multi_train_utils.train_eval_utils import Compute, evaluate, train_one_epoch
+from my_dataset import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MyDataSet,
+    SeededBatchSampler,
+    train_min_side,
+    train_transform,
+    val_min_side,
+    val_transform,
+)
+from plot_results import plot_predictions
 from utils import (
     DEMO_DATA_PATH,
     DataSplit,
+    HelpFormatter,
+    Parser,
     UserError,
     available_cores,
+    describe,
     make_demo_data,
+    number,
     plain_args,
+    positive_float,
+    positive_int,
     read_split_data,
     write_atomically,
     write_class_indices,
@@ -41,36 +60,9 @@ from utils import (
 DEMO_DEFAULTS = {"epochs": 10, "img_size": 64, "lr": 0.01}
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default where it has one worth showing (not None, not an off switch)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with errors in one line, like every other user error here."""
-
-    def error(self, message):
-        raise UserError(f"{message} (see {self.prog} --help)")
-
-
-def number(kind, minimum, maximum=None, above_minimum=False):
-    """An argparse type: a number of `kind` within [minimum, maximum] (or above minimum)."""
-
-    def parse(text):
-        value = kind(text)
-        if value < minimum or (above_minimum and value == minimum) or (maximum is not None and value > maximum):
-            bound = f"greater than {minimum}" if above_minimum else f"at least {minimum}"
-            raise argparse.ArgumentTypeError(f"must be {bound}" + (f" and at most {maximum}" if maximum else ""))
-        return value
-
-    return parse
-
-
-positive_int, positive_float = number(int, 1), number(float, 0, above_minimum=True)
+def switch(group, flag: str, default: bool, help: str) -> None:
+    """A real on/off flag: --name and --no-name (argparse's type=bool would take "False" as true)."""
+    group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
 
 
 def build_parser(script: str, description: str) -> argparse.ArgumentParser:
@@ -134,10 +126,37 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
 
     model = p.add_argument_group("model")
     model.add_argument(
-        "--weights", type=Path, help="initial weights: a torchvision ResNet-34 file or weights saved by these scripts"
+        "--weights",
+        type=lambda text: text if text == IMAGENET else Path(text),
+        help=f"initial weights: {IMAGENET} (torchvision's ImageNet-1K weights, downloaded once into torch's cache), "
+        "a torchvision ResNet-34 file, or weights or a checkpoint saved by these scripts",
     )
-    model.add_argument(
-        "--freeze-layers", action=argparse.BooleanOptionalAction, default=False, help="train only the final layer"
+    switch(model, "--freeze-layers", False, "train only the final layer")
+
+    speed = p.add_argument_group("speed")
+    speed.add_argument(
+        "--amp",
+        choices=["auto", "off", "bf16", "fp16"],
+        default="auto",
+        help="mixed precision (torch.amp autocast): auto is bf16 where the device computes it natively "
+        "(GPUs from Ampere on, CPUs with AMX or AVX512-BF16) and off (float32) elsewhere; fp16 adds gradient scaling",
+    )
+    switch(
+        speed,
+        "--channels-last",
+        True,
+        "keep images and weights in NHWC memory layout, which convolutions run fastest in",
+    )
+    speed.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model: faster steps after a compilation of a minute or more at the start",
+    )
+    switch(
+        speed,
+        "--persistent-workers",
+        True,
+        "keep loader processes between epochs (off restarts them every epoch, as the original scripts did)",
     )
 
     run = p.add_argument_group("run")
@@ -155,14 +174,17 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
         "--output-dir", type=Path, help=f"where weights, logs and metrics go (default: runs/{script}-<timestamp>)"
     )
 
-    if script != "train_single_gpu":
-        dist = p.add_argument_group("distributed")
-        dist.add_argument(
-            "--sync-bn",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="synchronise BatchNorm statistics across processes",
+    if script == "train_single_gpu":
+        model.add_argument(
+            "--data-parallel",
+            action="store_true",
+            help="split each batch over all visible GPUs with nn.DataParallel in this one process "
+            "(DDP, the other two scripts, is faster: see the README)",
         )
+    else:
+        p.set_defaults(data_parallel=False)
+        dist = p.add_argument_group("distributed")
+        switch(dist, "--sync-bn", True, "synchronise BatchNorm statistics across processes")
         dist.add_argument(
             "--dist-url",
             default="env://",
@@ -217,6 +239,7 @@ def prepare(args, world_size: int) -> DataSplit:
             + ", ".join(split.classes)
         )
     if args.weights is not None:
+        args.weights = weights_file(args.weights)  # `imagenet`: downloaded here, before any worker starts
         load_weights(create_model(len(split.classes)), args.weights)  # refuse an unusable file before starting
     per_process = len(split.train_images) // world_size
     if per_process < args.batch_size:
@@ -258,18 +281,15 @@ def check_writable(folder: Path) -> None:
         raise UserError(f"cannot write the output folder {folder}: {error.strerror} ({existing})") from None
 
 
-def describe(paths: list[str], shown: int = 5) -> str:
-    return ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
-
-
 def default_workers(args) -> int:
     """This process's share of the cores, so loader workers of all local processes do not fight for them."""
     return max(1, min(8, available_cores() // args.local_world_size, args.batch_size))
 
 
 def build_loaders(args, split, world_size: int, rank: int):
-    train_set = MyDataSet(split.train_images, split.train_labels, train_transform(args.img_size))
-    val_set = MyDataSet(split.val_images, split.val_labels, val_transform(args.img_size))
+    size = args.img_size
+    train_set = MyDataSet(split.train_images, split.train_labels, train_transform(size), train_min_side(size))
+    val_set = MyDataSet(split.val_images, split.val_labels, val_transform(size), val_min_side(size))
     # One sampler for every launch mode: a world of one is DistributedSampler(num_replicas=1). Shards are disjoint
     # (drop_last: the sampler drops the tail instead of repeating images to even them out), and incomplete
     # batches are dropped, so every step of every rank has the same batch size.
@@ -278,7 +298,11 @@ def build_loaders(args, split, world_size: int, rank: int):
     )
     batches = SeededBatchSampler(BatchSampler(shard, args.batch_size, drop_last=True), args.seed)
     workers = default_workers(args) if args.workers is None else args.workers
-    common = {"num_workers": workers, "persistent_workers": workers > 0, "pin_memory": args.device.startswith("cuda")}
+    common = {
+        "num_workers": workers,
+        "persistent_workers": workers > 0 and args.persistent_workers,
+        "pin_memory": args.device.startswith("cuda"),
+    }
     train_loader = DataLoader(train_set, batch_sampler=batches, **common)
     # Validation: rank r takes images r, r+W, r+2W, ...: disjoint, nothing padded, each image counted once.
     val_loader = DataLoader(
@@ -292,10 +316,31 @@ def say(*message) -> None:
         print(*message, flush=True)
 
 
+def choose_compute(args, device: torch.device) -> tuple[Compute, str]:
+    """The precision and layout to train in, from --amp and --channels-last, and a line saying which and why."""
+    amp = args.amp
+    if amp == "auto":
+        if device.type == "cuda":
+            native = torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and later compute bf16 natively
+            reason = "this GPU computes bfloat16 natively" if native else "this GPU has no native bfloat16"
+        else:
+            native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+            reason = "this CPU has AMX/AVX512-BF16" if native else "this CPU has no bfloat16 instructions"
+        amp = "bf16" if native else "off"
+        reason = f"--amp auto: {reason}"
+    else:
+        reason = f"--amp {amp}"
+    dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    name = {"off": "float32", "bf16": "bfloat16 autocast", "fp16": "float16 autocast with gradient scaling"}[amp]
+    layout = "channels_last" if args.channels_last else "NCHW"
+    return Compute(dtype, args.channels_last), f"Precision: {name} ({reason}); memory layout {layout}"
+
+
 def build_model(args, num_classes: int, device: torch.device):
     """ResNet-34 with its initial weights, on `device`; in DDP wrapped (and SyncBN-converted when asked).
 
-    Returns (the model to train, the same model without the DDP wrapper, for evaluating and saving).
+    Returns (the model to train, the same model without the DDP wrapper or compilation, for evaluating and
+    saving: its parameter names carry no "module." or "_orig_mod." prefix).
     """
     torch.manual_seed(args.seed)  # the same initial weights in every process; DDP also broadcasts rank 0's
     model = create_model(num_classes)
@@ -304,13 +349,29 @@ def build_model(args, num_classes: int, device: torch.device):
         say(f"Weights from {args.weights}: {report.summary()}")
     if args.freeze_layers:
         freeze_all_but_head(model)
-    model.to(device)
-    if not args.distributed:
-        return model, model
-    if args.sync_bn and not args.freeze_layers:  # training the head alone, synchronised statistics buy nothing
-        model = convert_sync_batchnorm(model, device)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return ddp, model
+    model.to(device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
+    plain = model
+    if args.data_parallel:
+        model = data_parallel(model, device)
+    if args.distributed:
+        if args.sync_bn and not args.freeze_layers:  # training the head alone, synchronised statistics buy nothing
+            model = plain = convert_sync_batchnorm(model, device)
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    if args.compile:
+        model = torch.compile(model)  # compiles at the first step; DDP's buckets are respected by its optimizer
+    return model, plain
+
+
+def data_parallel(model, device: torch.device):
+    """nn.DataParallel over every visible GPU, `device` first (it gathers the outputs and holds the master copy);
+    the model itself where there is only one device to run on."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus < 2:
+        say(f"--data-parallel: only one device ({device}) to run on, so the model trains as it is")
+        return model
+    say(f"DataParallel over {gpus} GPUs: each step splits its batch between them, cuda:{device.index} gathers")
+    return torch.nn.DataParallel(model, device_ids=[device.index, *(i for i in range(gpus) if i != device.index)])
 
 
 def build_optimizer(args, model):
@@ -353,8 +414,11 @@ def train(args, split: DataSplit) -> dict:
         f"{num_classes} classes; {workers} loader workers per process"
     )
 
+    compute, compute_summary = choose_compute(args, device)
+    say(compute_summary)
     model, model_without_ddp = build_model(args, num_classes, device)
     optimizer, scheduler = build_optimizer(args, model)
+    scaler = torch.amp.GradScaler(device.type, enabled=compute.amp_dtype == torch.float16)
     say(
         f"Learning rate {optimizer.param_groups[0]['lr']:g} (--lr {args.lr:g} x world size {world_size}); "
         f"global batch {args.batch_size * world_size}"
@@ -365,6 +429,8 @@ def train(args, split: DataSplit) -> dict:
         model_without_ddp.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler") is not None:
+            scaler.load_state_dict(state["scaler"])
         restore_rng(state)
         start_epoch, best_acc = state["epoch"] + 1, state["best_acc"]
         say(f"Resuming from {args.resume}: epoch {start_epoch} of {args.epochs}, best val acc so far {best_acc:.3f}")
@@ -375,16 +441,18 @@ def train(args, split: DataSplit) -> dict:
     if is_main_process():
         say(f'Output: {output_dir}  (TensorBoard: tensorboard --logdir "{output_dir / "tb"}")')
         write_json(output_dir / "args.json", plain_args(args))
+        write_hparams(writer, args)
+        preview = preview_batch(val_loader.dataset)
 
     metrics = {}
     for epoch in range(start_epoch, args.epochs):
         train_loader.batch_sampler.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
         epoch_lr = optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
-        train_loss, train_images = train_one_epoch(model, optimizer, train_loader, device, epoch)
+        train_loss, train_images = train_one_epoch(model, optimizer, train_loader, device, epoch, compute, scaler)
         train_seconds = time.perf_counter() - start
         scheduler.step()
-        confusion = evaluate(model_without_ddp, val_loader, device, num_classes)
+        confusion = evaluate(model_without_ddp, val_loader, device, num_classes, compute)
         epoch_seconds = time.perf_counter() - start
 
         val_correct, val_total = int(confusion.trace()), int(confusion.sum())
@@ -401,6 +469,7 @@ def train(args, split: DataSplit) -> dict:
             "epoch_seconds": epoch_seconds,
             "train_images_per_sec": train_images / train_seconds,
             "world_size": world_size,
+            **peak_memory(device),
         }
         improved, best_acc = val_acc > best_acc, max(best_acc, val_acc)
         if is_main_process():
@@ -408,8 +477,16 @@ def train(args, split: DataSplit) -> dict:
                 f"[epoch {epoch}] train loss {train_loss:.3f}  val acc {val_acc:.3f} ({val_correct}/{val_total})  "
                 f"lr {epoch_lr:.2e}  {epoch_seconds:.1f} s, {metrics['train_images_per_sec']:.1f} img/s"
             )
-            for tag, value in (("loss", train_loss), ("accuracy", val_acc), ("learning_rate", epoch_lr)):
+            for tag, value in (
+                ("loss", train_loss),
+                ("accuracy", val_acc),
+                ("learning_rate", epoch_lr),
+                (BEST_ACC_TAG, best_acc),
+            ):
                 writer.add_scalar(tag, value, epoch)
+            writer.add_figure(
+                "validation_predictions", preview_figure(model_without_ddp, preview, split, compute), epoch
+            )
             with open(output_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             state_dict = model_without_ddp.state_dict()
@@ -418,7 +495,7 @@ def train(args, split: DataSplit) -> dict:
                 save_atomically(state_dict, weights_dir / "best.pth")
             # Last, so that a checkpoint never claims an epoch whose outputs are not all written.
             state = training_state(
-                epoch, model_without_ddp, optimizer, scheduler, None, best_acc, split.classes, world_size, args
+                epoch, model_without_ddp, optimizer, scheduler, scaler, best_acc, split.classes, world_size, args
             )
             save_atomically(state, output_dir / CHECKPOINT_NAME)
         barrier()  # no rank starts the next epoch before this one's checkpoint is on disk
@@ -426,6 +503,50 @@ def train(args, split: DataSplit) -> dict:
         writer.close()
     say(f"Done: best val acc {best_acc:.3f}; weights in {weights_dir}")
     return metrics
+
+
+BEST_ACC_TAG = "hparams/best_val_acc"  # the metric TensorBoard's HPARAMS tab shows beside each run's flags
+
+
+def write_hparams(writer: SummaryWriter, args) -> None:
+    """The run's flags in TensorBoard's HPARAMS tab, in the run's own event file (add_hparams would make another
+    folder), with the best validation accuracy, logged each epoch, as their metric."""
+    flags = {
+        key: value if isinstance(value, int | float | str | bool) else str(value)
+        for key, value in plain_args(args).items()
+    }
+    for summary in hparams(flags, {BEST_ACC_TAG: None}):
+        writer.file_writer.add_summary(summary)
+
+
+def preview_batch(val_set, count: int = 16):
+    """`count` validation images spread over the set (so over the classes, which it lists in order) and their
+    labels: the same images every epoch, to watch the predictions change."""
+    picks = sorted({round(i * (len(val_set) - 1) / max(count - 1, 1)) for i in range(min(count, len(val_set)))})
+    samples = [val_set[i] for i in picks]
+    return torch.stack([image for image, _ in samples]), [label for _, label in samples]
+
+
+@torch.no_grad()
+def preview_figure(model, preview, split: DataSplit, compute: Compute):
+    """The preview images titled with the model's predictions (green right, red wrong), for TensorBoard."""
+    images, labels = preview
+    device = next(model.parameters()).device
+    model.eval()
+    with compute.autocast(device):
+        predicted = model(compute.batch_to(images, device)).argmax(dim=1).tolist()
+    mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    pixels = (images * std + mean).clamp(0, 1).permute(0, 2, 3, 1).numpy()  # undo Normalize, to HxWx3
+    return plot_predictions(pixels, labels, predicted, split.classes)
+
+
+def peak_memory(device: torch.device) -> dict:
+    """This process's peak resident memory so far (loader workers not included), and on CUDA its GPU's peak."""
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in bytes on macOS, kilobytes on Linux
+    peak = {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20)}
+    if device.type == "cuda":
+        peak["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20)
+    return peak
 
 
 def keep_metrics_before(path: Path, epoch: int) -> None:

@@ -5,6 +5,7 @@ A dataset here is a folder with one sub-folder per class (the layout of flower_p
     flower_photos/daisy/1234.jpg, flower_photos/roses/5678.jpg, ...
 """
 
+import argparse
 import contextlib
 import fcntl
 import functools
@@ -45,6 +46,42 @@ def entry_point(function):
             sys.exit(130)
 
     return wrapper
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default where it has one worth showing (not None, not an off switch)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with errors in one line, like every other user error here."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def number(kind, minimum, maximum=None, above_minimum=False):
+    """An argparse type: a number of `kind` within [minimum, maximum] (or above minimum)."""
+
+    def parse(text):
+        value = kind(text)
+        if value < minimum or (above_minimum and value == minimum) or (maximum is not None and value > maximum):
+            bound = f"greater than {minimum}" if above_minimum else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}" + (f" and at most {maximum}" if maximum else ""))
+        return value
+
+    return parse
+
+
+positive_int, positive_float = number(int, 1), number(float, 0, above_minimum=True)
+
+
+def describe(paths: list[str], shown: int = 5) -> str:
+    return ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 
 
 def available_cores() -> int:

@@ -47,12 +47,13 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
                 momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
                 self.running_var.lerp_((var * n / (n - 1)).to(self.running_var.dtype), momentum)
-        invstd = torch.rsqrt(var + self.eps).to(x.dtype)
+        # Normalise in float32 whatever the input (bfloat16 under autocast), as torch's BatchNorm does inside.
+        invstd = torch.rsqrt(var + self.eps).float()
         shape = (1, channels, 1, 1)
-        out = (x - mean.to(x.dtype).view(shape)) * invstd.view(shape)
+        out = (x.float() - mean.float().view(shape)) * invstd.view(shape)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
+        return out.to(x.dtype)
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:

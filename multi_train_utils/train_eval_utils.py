@@ -1,6 +1,7 @@
 """One training epoch and one evaluation pass, the same for one process and for DDP."""
 
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -15,21 +16,49 @@ class NonFiniteLossError(UserError):
     the same step, so no rank is left waiting, and before the step, so the weights stay finite."""
 
 
-def train_one_epoch(model, optimizer, data_loader, device, epoch: int) -> tuple[float, int]:
+@dataclass(frozen=True)
+class Compute:
+    """How the model computes: the autocast precision (None: float32 throughout) and the memory layout.
+
+    Under autocast, convolutions and matrix products run in `amp_dtype` (bfloat16 or float16) while weights,
+    gradients and the optimizer stay float32. channels_last stores images as NHWC, the layout the CPU's oneDNN
+    and the GPU's tensor cores convolve fastest in; the model's weights must be converted too (build_model does).
+    """
+
+    amp_dtype: torch.dtype | None = None
+    channels_last: bool = False
+
+    def autocast(self, device: torch.device):
+        return torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def batch_to(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # non_blocking only pays on CUDA, from the pinned memory the loader fills there.
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        device = torch.device(device)
+        return images.to(device, non_blocking=device.type == "cuda", memory_format=layout)
+
+
+def train_one_epoch(
+    model, optimizer, data_loader, device, epoch: int, compute: Compute = Compute(), scaler=None
+) -> tuple[float, int]:
     """Train for one epoch; returns (mean loss over every sample of every rank, images seen by all ranks).
 
     The per-step loss is summed over the ranks, weighted by batch size, so the bar shows the same running mean
-    on any world size and every rank sees a non-finite loss together.
+    on any world size and every rank sees a non-finite loss together. `scaler` is a torch.amp.GradScaler, needed
+    for float16 only (its narrow range would underflow small gradients); disabled or None, steps are plain.
     """
+    device = torch.device(device)
+    scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
     model.train()
     loss_function = nn.CrossEntropyLoss()
     loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of sample losses, samples)
     progress = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process())
     for images, labels in progress:
-        images, labels = images.to(device), labels.to(device)
-        loss = loss_function(model(images), labels)
+        images, labels = compute.batch_to(images, device), labels.to(device, non_blocking=device.type == "cuda")
+        with compute.autocast(device):
+            loss = loss_function(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        scaler.scale(loss).backward()
 
         # (sum of the step's sample losses, samples), over every rank
         step = torch.tensor([loss.item() * len(labels), len(labels)], dtype=torch.float64, device=device)
@@ -39,7 +68,8 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch: int) -> tuple[
                 f"non-finite loss at epoch {epoch}: stopped; lower --lr or check the data "
                 "(the last checkpoint is from before this epoch)"
             )
-        optimizer.step()
+        scaler.step(optimizer)  # with float16, skips the step (and lowers the scale) if a gradient overflowed
+        scaler.update()
         loss_and_count += step
         progress.set_postfix(mean_loss=f"{(loss_and_count[0] / loss_and_count[1]).item():.3f}")
     total_loss, total_images = loss_and_count.tolist()
@@ -47,18 +77,20 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch: int) -> tuple[
 
 
 @torch.no_grad()
-def evaluate(model, data_loader, device, num_classes: int) -> torch.Tensor:
+def evaluate(model, data_loader, device, num_classes: int, compute: Compute = Compute()) -> torch.Tensor:
     """The confusion matrix (rows: true class, columns: predicted) summed over every rank's validation shard.
 
     Each rank evaluates its own disjoint shard, nothing padded, so every image counts exactly once: accuracy is
     its trace over its sum, per-class recall its diagonal over row sums.
     """
+    device = torch.device(device)
     model.eval()
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
     for images, labels in tqdm(
         data_loader, desc="validate", file=sys.stdout, disable=not is_main_process(), leave=False
     ):
-        predictions = model(images.to(device)).argmax(dim=1)
+        with compute.autocast(device):
+            predictions = model(compute.batch_to(images, device)).argmax(dim=1)
         labels = labels.to(device)
         confusion += torch.bincount(labels * num_classes + predictions, minlength=num_classes * num_classes).view(
             num_classes, num_classes

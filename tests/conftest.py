@@ -48,8 +48,8 @@ def final_weights(out: Path, epoch: int = 1) -> dict:
 
 
 def metrics_without_timings(out: Path) -> list[dict]:
-    """A run's metrics.jsonl, without the numbers that differ from run to run (timings)."""
-    timings = {"epoch_seconds", "train_images_per_sec"}
+    """A run's metrics.jsonl, without the numbers that differ from run to run (timings, memory)."""
+    timings = {"epoch_seconds", "train_images_per_sec", "peak_rss_mib", "peak_gpu_mib"}
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in timings} for line in lines]
 

@@ -5,7 +5,16 @@ import pytest
 import torch
 from PIL import Image
 
-from my_dataset import MyDataSet, SeededBatchSampler, load_rgb, sample_seed, train_transform, val_transform
+from my_dataset import (
+    MyDataSet,
+    SeededBatchSampler,
+    load_rgb,
+    sample_seed,
+    train_min_side,
+    train_transform,
+    val_min_side,
+    val_transform,
+)
 
 
 def save(path, mode):
@@ -73,3 +82,19 @@ def test_seeded_batches_tag_each_index_with_its_epoch_seed():
     ]
     assert Batches.sampler.epochs == [3]
     assert len({sample_seed(5, e, i) for e in range(10) for i in range(100)}) == 1000
+
+
+def test_a_large_jpeg_is_decoded_at_reduced_scale_to_nearly_the_same_tensor(tmp_path):
+    path = tmp_path / "photo.jpg"
+    smooth = Image.fromarray(np.random.default_rng(0).integers(0, 255, (15, 20, 3), dtype=np.uint8))
+    smooth.resize((1600, 1200), Image.BICUBIC).save(path, quality=90)  # a photo-like image: no pixel noise
+
+    assert load_rgb(path, min_side=val_min_side(64)).size == (200, 150)  # 1/8 scale: short side 150 >= 73
+    assert load_rgb(path, min_side=train_min_side(64)).size == (400, 300)  # 1/4: 300 >= 262
+    assert load_rgb(path, min_side=2000).size == (1600, 1200)  # never smaller than asked
+    transform = val_transform(64)
+    full, reduced = transform(load_rgb(path)), transform(load_rgb(path, min_side=val_min_side(64)))
+    assert (full - reduced).abs().mean() < 0.02  # normalised units: about half a grey level
+    png = tmp_path / "photo.png"
+    Image.open(path).save(png)
+    assert load_rgb(png, min_side=val_min_side(64)).size == (1600, 1200)  # only JPEG decodes at reduced scale

@@ -30,7 +30,7 @@ def run_args(**overrides):
     values = dict(
         seed=0, weights=None, freeze_layers=False, distributed=False, sync_bn=True, momentum=0.9,
         weight_decay=1e-4, epochs=10, lrf=0.1, img_size=32, batch_size=B, workers=0, local_world_size=1,
-        device="cpu",
+        device="cpu", channels_last=False, compile=False, persistent_workers=True, data_parallel=False,
     )  # fmt: skip
     return argparse.Namespace(**{**values, **overrides})
 

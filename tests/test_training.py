@@ -9,7 +9,16 @@ from conftest import FAST, assert_user_error, final_weights, metrics_without_tim
 from PIL import Image
 from torchvision.models import resnet34
 
-METRIC_KEYS = {"epoch", "train_loss", "val_acc", "lr", "epoch_seconds", "train_images_per_sec", "world_size"}
+METRIC_KEYS = {
+    "epoch",
+    "train_loss",
+    "val_acc",
+    "lr",
+    "epoch_seconds",
+    "train_images_per_sec",
+    "world_size",
+    "peak_rss_mib",
+}
 
 
 def assert_run_outputs(out, epochs: int, world_size: int, num_classes: int = 5):
@@ -33,6 +42,33 @@ def test_a_short_single_process_run_learns(trained_run):
     assert metrics[-1]["val_acc"] >= 0.5, metrics  # chance is 0.2
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
     assert "No CUDA GPU found" in result.stdout or torch.cuda.is_available()
+
+
+def test_tensorboard_shows_predictions_each_epoch_and_the_runs_flags(trained_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = EventAccumulator(str(trained_run[0] / "tb"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    previews = events.Images("validation_predictions")
+    assert [image.step for image in previews] == list(range(6))
+    assert all(image.width >= 400 and len(image.encoded_image_string) > 10_000 for image in previews)
+    best = [scalar.value for scalar in events.Scalars("hparams/best_val_acc")]
+    assert best == [max(m["val_acc"] for m in assert_run_outputs(trained_run[0], 6, 1)[: e + 1]) for e in range(6)]
+    start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    flags = plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams
+    assert flags["epochs"].number_value == 6 and flags["img_size"].number_value == 64
+    assert flags["amp"].string_value == "auto" and flags["channels_last"].bool_value is True
+
+
+def test_data_parallel_without_several_gpus_trains_a_plain_model(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    result = run_script(
+        "train_single_gpu.py", "--data-path", tiny_data, "--output-dir", out, "--epochs", "1", "--data-parallel", *FAST
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--data-parallel: only one device" in result.stdout or torch.cuda.device_count() > 1
+    assert not any(name.startswith("module.") for name in final_weights(out, epoch=0))  # loads into a plain model
 
 
 DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST)

@@ -20,7 +20,7 @@ if os.environ.get("FAULT"):
     kind, *numbers = os.environ["FAULT"].split(":")
     real_train_one_epoch = training.train_one_epoch
 
-    def faulty_train_one_epoch(model, optimizer, data_loader, device, epoch):
+    def faulty_train_one_epoch(model, optimizer, data_loader, device, epoch, *how):
         rank = dist.get_rank() if dist.is_initialized() else 0
         if kind == "raise" and [rank, epoch] == [int(n) for n in numbers]:
             raise RuntimeError(f"injected failure on rank {rank} at epoch {epoch}")
@@ -28,6 +28,6 @@ if os.environ.get("FAULT"):
             data_loader = [(images * torch.nan, labels) for images, labels in data_loader]
         if kind == "slow":
             data_loader = (batch for batch in data_loader if time.sleep(0.2) is None)
-        return real_train_one_epoch(model, optimizer, data_loader, device, epoch)
+        return real_train_one_epoch(model, optimizer, data_loader, device, epoch, *how)
 
     training.train_one_epoch = faulty_train_one_epoch

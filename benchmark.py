@@ -1,0 +1,249 @@
+"""Measure training speed: the model alone, then each launch script end to end, against the original's setup.
+
+python benchmark.py                       # 224 px, batch 16, generated 320x240 JPEGs; about 5 minutes on 2 cores
+python benchmark.py --data-path flower_photos --img-size 224 --batch-size 32 --nprocs 4
+
+Rows, each a fresh process (or group of processes) so that no row inherits another's warm caches or memory:
+  model only     training steps on random tensors already in memory: the ceiling for this precision and layout
+  baseline       train_single_gpu.py as the original scripts ran: float32, NCHW, loader workers restarted each epoch
+  single         train_single_gpu.py with this collection's defaults (or --amp / --no-channels-last)
+  torchrun, spawn   the two DDP launch scripts with --nprocs processes
+End-to-end figures come from the runs' own metrics.jsonl: training images per second and epoch wall time
+(training and validation) averaged over the epochs after the first, which pays one-off start-up costs.
+Writes benchmark.json, benchmark.png (plot_results.plot_benchmark) and each run's folder and log to --output-dir.
+"""
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from model import create_model
+from multi_train_utils.distributed_utils import init_single_process
+from multi_train_utils.train_eval_utils import train_one_epoch
+from plot_results import plot_benchmark
+from training import build_optimizer, choose_compute, peak_memory
+from utils import Parser, UserError, available_cores, entry_point, make_demo_data, number, write_json
+
+ROOT = Path(__file__).resolve().parent
+FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--img-size", type=number(int, 1), default=224, help="training crop size")
+    p.add_argument("--batch-size", type=number(int, 1), default=16, help="images per step in each process")
+    p.add_argument(
+        "--data-path",
+        type=Path,
+        help="a class-per-folder dataset (default: generated flower_photos-sized JPEGs in data/)",
+    )
+    p.add_argument(
+        "--images-per-class", type=number(int, 10), default=60, help="size of the generated dataset (5 classes)"
+    )
+    p.add_argument("--epochs", type=number(int, 2), default=3, help="epochs per run; the first is not averaged")
+    p.add_argument("--steps", type=number(int, 1), default=20, help="timed steps of the model-only rows")
+    p.add_argument("--nprocs", type=number(int, 1), help="DDP processes (default: GPUs visible, or 2 on the CPU)")
+    p.add_argument("--amp", choices=["auto", "off", "bf16", "fp16"], default="auto", help="precision to measure")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True, help="NHWC layout")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
+    p.add_argument("--output-dir", type=Path, default=Path("benchmark"), help="where results and runs go")
+    p.add_argument("--skip-ddp", action="store_true", help="measure the single-process rows only")
+    return p.parse_args(argv)
+
+
+def _model_only(queue, img_size, batch_size, amp, channels_last, device, steps):
+    """In a fresh process: `steps` timed training steps on random tensors, after three untimed ones."""
+    sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
+    args = argparse.Namespace(amp=amp, channels_last=channels_last, device=device, seed=0, lr=0.001, lrf=0.1, epochs=1)
+    args.momentum, args.weight_decay = 0.9, 1e-4
+    init_single_process(args)
+    device = torch.device(args.device)
+    compute, summary = choose_compute(args, device)
+    model = create_model(5).to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    optimizer, _ = build_optimizer(args, model)
+    scaler = torch.amp.GradScaler(device.type, enabled=compute.amp_dtype == torch.float16)
+    generator = torch.Generator().manual_seed(0)
+    batch = (torch.randn(batch_size, 3, img_size, img_size, generator=generator), torch.randint(0, 5, (batch_size,)))
+    train_one_epoch(model, optimizer, [batch] * 3, device, 0, compute, scaler)  # warm-up: allocations, kernels
+    start = time.perf_counter()
+    _, images = train_one_epoch(model, optimizer, [batch] * steps, device, 0, compute, scaler)
+    seconds = time.perf_counter() - start  # train_one_epoch reads each step's loss, so the device has finished
+    queue.put({"img_per_sec": images / seconds, "summary": summary, **peak_memory(device)})
+
+
+def model_only(args, amp: str, channels_last: bool) -> dict:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(
+        target=_model_only,
+        args=(queue, args.img_size, args.batch_size, amp, channels_last, args.device, args.steps),
+    )
+    process.start()
+    result = queue.get()
+    process.join()
+    return result
+
+
+def row(name: str, kind: str, processes: int, precision: str, measured: dict) -> dict:
+    return {"name": name, "kind": kind, "processes": processes, "precision": precision, **measured}
+
+
+def run_script(args, name: str, script: list, flags: list) -> dict:
+    """Train with a script (`script`: what follows `python`); speed and memory from the metrics.jsonl it writes."""
+    out = args.output_dir / "runs" / name
+    command = [sys.executable, *script, "--data-path", str(args.data_path)]
+    command += ["--output-dir", str(out), "--img-size", str(args.img_size), "--batch-size", str(args.batch_size)]
+    command += ["--epochs", str(args.epochs), "--device", args.device, *flags]
+    log = args.output_dir / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"  {name}: {' '.join(command[1:])}", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        result = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    if result.returncode != 0:
+        raise UserError(f"{name} failed (exit status {result.returncode}); see {log}")
+    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steady = epochs[1:]
+    return {
+        "img_per_sec": sum(m["train_images_per_sec"] for m in steady) / len(steady),
+        "epoch_seconds": sum(m["epoch_seconds"] for m in steady) / len(steady),
+        "first_epoch_seconds": epochs[0]["epoch_seconds"],
+        "run_seconds": wall,
+        "val_acc": epochs[-1]["val_acc"],
+        "peak_rss_mib": max(m["peak_rss_mib"] for m in epochs),
+        **({"peak_gpu_mib": max(m["peak_gpu_mib"] for m in epochs)} if "peak_gpu_mib" in epochs[0] else {}),
+    }
+
+
+def describe_machine(device: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    machine = f"{cpu} ({available_cores()} cores)"
+    if device.startswith("cuda"):
+        return f"{machine}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"{machine}, no GPU used"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    baseline = next(row["img_per_sec"] for row in rows if row["kind"] == "baseline")
+    lines = [
+        "| configuration | processes | precision, layout | img/s | × baseline | epoch (s) | first epoch (s) "
+        "| peak RSS / process (MiB) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        epoch = f"{row['epoch_seconds']:.1f}" if row.get("epoch_seconds") else "–"
+        first = f"{row['first_epoch_seconds']:.1f}" if row.get("first_epoch_seconds") else "–"
+        lines.append(
+            f"| {row['name']} | {row['processes']} | {row['precision']} | {row['img_per_sec']:.1f} "
+            f"| {row['img_per_sec'] / baseline:.2f} | {epoch} | {first} | {row['peak_rss_mib']} |"
+        )
+    return "\n".join(lines)
+
+
+@entry_point
+def main(argv=None):
+    args = parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device} asked for a GPU but none is visible; use --device cpu")
+    nprocs = args.nprocs or (torch.cuda.device_count() if args.device.startswith("cuda") else 2)
+    if args.data_path is None:
+        width, height = FLOWER_PHOTOS_SIZE
+        folder = ROOT / "data" / f"benchmark_flowers_{width}x{height}_{args.images_per_class}"
+        args.data_path = make_demo_data(folder, images_per_class=args.images_per_class, size=FLOWER_PHOTOS_SIZE)
+    if (args.output_dir / "runs").exists():
+        raise UserError(f"{args.output_dir} already holds a benchmark: choose another --output-dir or remove it")
+
+    single = [str(ROOT / "train_single_gpu.py")]
+    ours_flags = ["--amp", args.amp, "--channels-last" if args.channels_last else "--no-channels-last"]
+    original_workers = min(os.cpu_count() or 1, args.batch_size, 8)  # the original's num_workers
+    baseline = ["--amp", "off", "--no-channels-last", "--no-persistent-workers", "--workers", str(original_workers)]
+
+    print(f"Benchmark: {args.img_size} px, batch {args.batch_size}, data {args.data_path}, output {args.output_dir}")
+    ceiling = model_only(args, args.amp, args.channels_last)
+    precision = ceiling.pop("summary").split(" (")[0].removeprefix("Precision: ")  # e.g. "bfloat16 autocast"
+    ours = f"{precision}, {'channels_last' if args.channels_last else 'NCHW'}"
+    fp32 = "float32, NCHW"
+    rows = [
+        row("model only (the ceiling)", "model-only", 1, ours, ceiling),
+        row("model only, float32 NCHW", "model-only", 1, fp32, model_only(args, "off", False)),
+        row("baseline: the original's setup", "baseline", 1, fp32, run_script(args, "baseline", single, baseline)),
+        row("train_single_gpu.py", "single", 1, ours, run_script(args, "single", single, ours_flags)),
+    ]
+    if not args.skip_ddp:
+        rows.append(
+            row(
+                f"torchrun, {nprocs} processes",
+                "torchrun",
+                nprocs,
+                ours,
+                run_script(
+                    args,
+                    "torchrun",
+                    [
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        "--nproc_per_node",
+                        str(nprocs),
+                        str(ROOT / "train_multi_gpu_using_launch.py"),
+                    ],
+                    ours_flags,
+                ),
+            )
+        )
+        rows.append(
+            row(
+                f"spawn, {nprocs} processes",
+                "spawn",
+                nprocs,
+                ours,
+                run_script(
+                    args,
+                    "spawn",
+                    [str(ROOT / "train_multi_gpu_using_spawn.py")],
+                    [*ours_flags, "--world-size", str(nprocs)],
+                ),
+            )
+        )
+
+    benchmark = {
+        "machine": describe_machine(args.device),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "settings": {
+            "img_size": args.img_size,
+            "batch_size": args.batch_size,
+            "nprocs": nprocs,
+            "device": args.device,
+            "precision": precision,
+            "channels_last": args.channels_last,
+            "data_path": str(args.data_path),
+            "epochs": args.epochs,
+        },
+        "rows": rows,
+    }
+    write_json(args.output_dir / "benchmark.json", benchmark)
+    plot_benchmark(benchmark, args.output_dir / "benchmark.png")
+    print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
+    print(markdown_table(rows))
+    print(f"\nWrote {args.output_dir / 'benchmark.json'} and {args.output_dir / 'benchmark.png'}")
+
+
+if __name__ == "__main__":
+    main()

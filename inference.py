@@ -1,0 +1,167 @@
+"""Loading a trained run's model for inference, as predict.py and evaluate.py do.
+
+A run folder holds what inference needs besides the weights: class_indices.json (the class names) and args.json
+(the image size, batch size, precision and data split the run used). Given any weights file of a run, both are found
+beside it or one folder up; a checkpoint.pth carries them itself.
+"""
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from model import create_model, read_state_dict
+from multi_train_utils.train_eval_utils import Compute
+from my_dataset import MyDataSet, val_min_side, val_transform
+from training import choose_compute
+from utils import UserError, available_cores, describe, number, positive_int, safe_load
+
+# Used where the run's own flags are not found (a weights file on its own): the training scripts' defaults.
+DEFAULT_IMG_SIZE, DEFAULT_BATCH_SIZE = 224, 16
+
+
+@dataclass
+class TrainedModel:
+    """A network with a run's weights, in eval mode on its device, and what is known about the run."""
+
+    model: nn.Module
+    device: torch.device
+    compute: Compute  # the run's precision and memory layout (--amp, --channels-last)
+    classes: list[str]
+    run_args: dict  # the run's flags (args.json or the checkpoint's "args"); {} when neither is found
+    run_folder: Path
+
+    def setting(self, name: str, given, default):
+        """`given` (a flag of this command) when set, else the run's flag `name`, else `default`."""
+        return given if given is not None else self.run_args.get(name, default)
+
+
+def run_file(weights: Path, name: str) -> Path | None:
+    """A file the run wrote, found beside the weights (checkpoint.pth) or one folder up (weights/best.pth)."""
+    return next(
+        (folder / name for folder in (weights.parent, weights.parent.parent) if (folder / name).is_file()), None
+    )
+
+
+def run_folder(weights: Path) -> Path:
+    """The run folder: the one that holds weights/ for model-N.pth and best.pth, else the weights' own folder."""
+    return weights.parent.parent if weights.parent.name == "weights" else weights.parent
+
+
+def read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text())
+    except OSError as error:
+        raise UserError(f"cannot read {what} {path}: {error.strerror}") from None
+    except ValueError as error:  # not JSON, or not text at all
+        raise UserError(f"{what} {path} is not valid JSON ({error})") from None
+
+
+def class_names(indices, path: Path) -> list[str]:
+    """["daisy", "dandelion", ...] from class_indices.json's {"0": "daisy", "1": "dandelion", ...}."""
+    if (
+        not isinstance(indices, dict)
+        or not indices
+        or set(indices) != {str(i) for i in range(len(indices))}
+        or not all(isinstance(name, str) for name in indices.values())
+    ):
+        raise UserError(f'{path} is not a class index file such as {{"0": "daisy", "1": "dandelion"}}')
+    return [indices[str(i)] for i in range(len(indices))]
+
+
+def load_trained_model(weights: Path, class_indices: Path | None, device: torch.device) -> TrainedModel:
+    """The network of a weights file (model-N.pth, best.pth or a run's checkpoint.pth) with its class names.
+
+    Class names come from `class_indices` if given, else from the run's class_indices.json, else from the
+    checkpoint's "classes"; the run's flags from its args.json, else from the checkpoint's "args". The weights must
+    fit exactly: a ResNet-34 whose head has one output per class name.
+    """
+    state_dict = read_state_dict(weights)
+    indices_file = class_indices or run_file(weights, "class_indices.json")
+    args_file = run_file(weights, "args.json")
+    checkpoint = {}
+    if indices_file is None or args_file is None:  # read the file again only when needed: a checkpoint is large
+        data = safe_load(weights, "weights file")
+        checkpoint = data if isinstance(data, dict) and "model" in data else {}
+
+    if indices_file is not None:
+        classes, classes_from = class_names(read_json(indices_file, "class index file"), indices_file), indices_file
+    elif isinstance(checkpoint.get("classes"), list):
+        classes, classes_from = checkpoint["classes"], f"checkpoint {weights}"
+    else:
+        raise UserError(
+            f"no class names for {weights}: no class_indices.json beside it or in its run folder; "
+            "pass --class-indices RUN/class_indices.json"
+        )
+    run_args = read_json(args_file, "run flags file") if args_file is not None else checkpoint.get("args", {})
+    if not isinstance(run_args, dict):
+        raise UserError(f"run flags file {args_file} does not hold the flags of a run (a JSON object)")
+
+    head = state_dict.get("fc.weight")
+    if head is not None and head.shape[0] != len(classes):
+        raise UserError(
+            f"weights file {weights} has a head for {head.shape[0]} classes, "
+            f"but {classes_from} names {len(classes)}: {', '.join(classes)}"
+        )
+    model = create_model(len(classes))
+    own = model.state_dict()
+    misfits = sorted(set(own) ^ set(state_dict)) + [
+        name for name in own if name in state_dict and state_dict[name].shape != own[name].shape
+    ]
+    if misfits:
+        raise UserError(
+            f"weights file {weights} does not fit ResNet-34: {len(misfits)} tensors missing, extra or of another "
+            f"shape ({describe(misfits, shown=3)})"
+        )
+    model.load_state_dict(state_dict)
+    # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
+    run_compute = argparse.Namespace(amp=run_args.get("amp", "off"), channels_last=run_args.get("channels_last", False))
+    compute, _ = choose_compute(run_compute, device)
+    layout = torch.channels_last if compute.channels_last else torch.preserve_format
+    model = model.to(device, memory_format=layout).eval()
+    return TrainedModel(model, device, compute, classes, run_args, run_folder(weights))
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of predict.py and evaluate.py alike: which weights, their class names, how to run them."""
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        required=True,
+        help="a run's weights: weights/model-N.pth, weights/best.pth or checkpoint.pth",
+    )
+    parser.add_argument(
+        "--class-indices",
+        type=Path,
+        help="class_indices.json (default: the run's, beside the weights or one folder up, else the checkpoint's)",
+    )
+    parser.add_argument(
+        "--img-size",
+        type=positive_int,
+        help=f"the crop size the run trained with (default: the run's, else {DEFAULT_IMG_SIZE})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help=f"images per forward pass (default: the run's, else {DEFAULT_BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--workers", type=number(int, 0), help="image loader processes (default: this machine's cores, at most 8)"
+    )
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
+
+
+def image_loader(trained: TrainedModel, args, images: list, labels: list) -> DataLoader:
+    """Batches of (images as the run validated them: resized and centre-cropped, labels), in the given order."""
+    img_size = trained.setting("img_size", args.img_size, DEFAULT_IMG_SIZE)
+    workers = min(8, available_cores()) if args.workers is None else args.workers
+    return DataLoader(
+        MyDataSet(images, labels, val_transform(img_size), val_min_side(img_size)),
+        batch_size=trained.setting("batch_size", args.batch_size, DEFAULT_BATCH_SIZE),
+        num_workers=workers,
+        pin_memory=trained.device.type == "cuda",
+    )

@@ -1,0 +1,236 @@
+"""Draw the training curves of one or more runs, or the throughput chart of a benchmark, as one PNG.
+
+    python plot_results.py runs/train_single_gpu-20261122-201145
+    python plot_results.py runs/A runs/B --labels "one process" "torchrun, 2 processes" --output curves.png
+    python plot_results.py benchmark.json
+
+A run folder is read through its metrics.jsonl (one line per epoch, written by training.py): the picture has
+three panels, training loss, validation accuracy and learning rate against the epoch, with several runs overlaid.
+A benchmark.json (or a folder holding one and no metrics.jsonl) gives a bar chart of training images per second.
+
+Where the PNG goes unless --output says: training_curves.png in the run folder for one run, in the current folder
+for several; benchmark.png next to the benchmark.json. An existing file of that name is replaced.
+
+Figures are drawn with matplotlib's Figure class directly, not pyplot: no display, no global state, so the
+drawing functions can be called from other scripts (benchmark.py calls plot_benchmark) and from tests.
+"""
+
+import argparse
+import json
+import textwrap
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from utils import Parser, UserError, entry_point, write_atomically
+
+METRICS_NAME, BENCHMARK_NAME = "metrics.jsonl", "benchmark.json"
+CURVES_PNG, BENCHMARK_PNG = "training_curves.png", "benchmark.png"
+# What a panel shows: (metrics.jsonl key, panel title).
+PANELS = (("train_loss", "training loss"), ("val_acc", "validation accuracy"), ("lr", "learning rate"))
+REQUIRED_KEYS = ("epoch", *(key for key, _ in PANELS))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The epochs of a metrics.jsonl, sorted by epoch; UserError naming the file and line for anything unusable."""
+    epochs = []
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path} line {number} is not JSON ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{path} line {number} is not a JSON object")
+        missing = [key for key in REQUIRED_KEYS if not isinstance(record.get(key), int | float)]
+        if missing:
+            raise UserError(f"{path} line {number} has no number for {', '.join(missing)}")
+        epochs.append(record)
+    if not epochs:
+        raise UserError(f"{path} holds no epochs (is the run still in its first epoch?)")
+    return sorted(epochs, key=lambda record: record["epoch"])
+
+
+def read_benchmark(path: Path) -> dict:
+    """A benchmark.json as written by benchmark.py; UserError if it is not one."""
+    try:
+        benchmark = json.loads(read_text(path))
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path} line {error.lineno} is not JSON ({error.msg})") from None
+    rows = benchmark.get("rows") if isinstance(benchmark, dict) else None
+    if not rows or not isinstance(rows, list):
+        raise UserError(f"{path} has no benchmark rows (expected {{'rows': [{{'name': ..., 'img_per_sec': ...}}]}})")
+    for number, row in enumerate(rows, start=1):
+        if not (isinstance(row, dict) and "name" in row and "img_per_sec" in row):
+            raise UserError(f"{path}: row {number} needs a name and an img_per_sec")
+        if not isinstance(row["img_per_sec"], int | float | None):
+            raise UserError(f"{path}: row {number} has img_per_sec {row['img_per_sec']!r}, not a number (or null)")
+    return benchmark
+
+
+def read_text(path: Path) -> str:
+    """A text file's contents; UserError if it cannot be read or is not text."""
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read {path}: {getattr(error, 'strerror', None) or 'not a text file'}") from None
+
+
+def classify(argument: Path) -> tuple[str, Path]:
+    """("run", run folder) or ("benchmark", benchmark.json) for a command-line argument."""
+    if not argument.exists():
+        raise UserError(f"{argument} does not exist")
+    if argument.is_file():
+        if argument.name == METRICS_NAME:
+            return "run", argument.parent
+        if argument.suffix == ".json":
+            return "benchmark", argument
+    elif (argument / METRICS_NAME).is_file():
+        return "run", argument
+    elif (argument / BENCHMARK_NAME).is_file():
+        return "benchmark", argument / BENCHMARK_NAME
+    raise UserError(f"{argument} is neither a run folder (with {METRICS_NAME}) nor a {BENCHMARK_NAME}")
+
+
+def run_label(folder: Path, epochs: list[dict]) -> str:
+    """The run folder's name and its number of processes, e.g. "train_multi_gpu_using_launch-... (2 processes)"."""
+    processes = epochs[-1].get("world_size", 1)
+    return f"{folder.resolve().name} ({processes} process{'es' if processes != 1 else ''})"
+
+
+def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
+    """Training loss, validation accuracy and learning rate against the epoch, one line per (label, epochs) run.
+
+    Writes the PNG to `path` when given; returns the Figure either way (its legend names the runs).
+    """
+    fig = Figure(figsize=(12, 4.2), dpi=120, layout="constrained")
+    axes = fig.subplots(1, len(PANELS))
+    for label, epochs in runs:
+        x = [record["epoch"] for record in epochs]
+        for ax, (key, _) in zip(axes, PANELS, strict=True):
+            ax.plot(x, [record[key] for record in epochs], marker="o", markersize=3, label=label)
+    for ax, (_, title) in zip(axes, PANELS, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[1].set_ylim(0, 1)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(runs), 2), frameon=False)
+    if path is not None:
+        save_png(fig, path)
+    return fig
+
+
+def plot_benchmark(benchmark: dict, path=None) -> Figure:
+    """Training images per second, one horizontal bar per row of a benchmark (the schema benchmark.py writes).
+
+    The title says where and how it was measured (machine, date, torch, image size, batch, precision). Rows keep
+    their order, top to bottom; a row whose img_per_sec is null is shown as "not measured". Writes the PNG to
+    `path` when given; returns the Figure either way.
+    """
+    rows, settings = benchmark["rows"], benchmark.get("settings", {})
+    values = [row["img_per_sec"] for row in rows]
+    colours = {kind: f"C{i}" for i, kind in enumerate(dict.fromkeys(row.get("kind") for row in rows))}
+
+    fig = Figure(figsize=(10, 1.8 + 0.55 * len(rows)), dpi=120, layout="constrained")
+    ax = fig.subplots()
+    positions = range(len(rows))  # not the names as categories: two rows of the same name stay two bars
+    bars = ax.barh(positions, [value or 0 for value in values], color=[colours[row.get("kind")] for row in rows])
+    ax.bar_label(bars, [f"{value:.1f}" if value is not None else "not measured" for value in values], padding=4)
+    ax.set_yticks(positions, labels=[textwrap.fill(row["name"], 40) for row in rows])
+    ax.invert_yaxis()  # the first row on top
+    ax.set_xlim(0, max(value or 0 for value in values) * 1.15 or 1)
+    ax.set_xlabel("training images per second (higher is better)")
+    ax.grid(axis="x", alpha=0.3)
+    where = [str(benchmark[key]) for key in ("machine", "date") if benchmark.get(key)]
+    how = [
+        f"{settings['img_size']} px" if "img_size" in settings else None,
+        f"batch {settings['batch_size']} per process" if "batch_size" in settings else None,
+        settings.get("precision"),
+        "channels_last" if settings.get("channels_last") else None,
+        f"torch {benchmark['torch']}" if benchmark.get("torch") else None,
+    ]
+    ax.set_title(", ".join(["Training throughput", *where]) + "\n" + ", ".join(filter(None, how)), fontsize=10)
+    if path is not None:
+        save_png(fig, path)
+    return fig
+
+
+def plot_predictions(images, true_labels: list[int], predicted: list[int], classes: list[str]) -> Figure:
+    """A grid of images, each titled with its predicted class and, when wrong, its true one (green right, red
+    wrong): what training.py shows in TensorBoard each epoch. `images` are HxWx3 arrays of values in 0..1."""
+    columns = min(4, len(images))
+    rows = -(-len(images) // columns)
+    fig = Figure(figsize=(2.2 * columns, 2.4 * rows), dpi=80, layout="constrained")
+    cells = fig.subplots(rows, columns, squeeze=False).flat  # the last row may have empty cells
+    for ax, image, truth, guess in zip(cells, images, true_labels, predicted, strict=False):
+        ax.imshow(image)
+        title = classes[guess] if guess == truth else f"{classes[guess]}\n(true: {classes[truth]})"
+        ax.set_title(title, fontsize=9, color="green" if guess == truth else "red")
+    for ax in fig.axes:
+        ax.axis("off")
+    return fig
+
+
+def save_png(fig: Figure, path) -> None:
+    """Write the figure as a PNG, atomically: a reader never sees half a picture."""
+    try:
+        write_atomically(path, lambda f: fig.savefig(f, format="png"), binary=True)
+    except OSError as error:
+        raise UserError(f"cannot write {path}: {error.strerror}") from None
+
+
+def output_path(requested: Path | None, kind: str, sources: list[Path]) -> Path:
+    """Where the PNG goes: --output if given (a .png in an existing folder), else the default for `kind`."""
+    if requested is None:
+        if kind == "benchmark":
+            return sources[0].parent / BENCHMARK_PNG
+        return (sources[0] if len(sources) == 1 else Path.cwd()) / CURVES_PNG
+    if requested.suffix.lower() != ".png":
+        raise UserError(f"--output {requested} must end in .png")
+    if requested.is_dir():
+        raise UserError(f"--output {requested} is a folder; name the PNG file")
+    if not requested.parent.is_dir():
+        raise UserError(f"--output {requested}: the folder {requested.parent} does not exist")
+    return requested
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="+", type=Path, metavar="RUN_DIR", help="run folders, or one benchmark.json")
+    p.add_argument("--output", type=Path, help="the PNG to write (default: see above)")
+    p.add_argument("--labels", nargs="+", metavar="NAME", help="legend names, one per run folder, in order")
+    return p.parse_args(argv)
+
+
+@entry_point
+def main(argv=None) -> Figure:
+    """Draw what the command line names and write the PNG; returns the Figure (for tests)."""
+    args = parse_args(argv)
+    found = [classify(path) for path in args.paths]
+    kinds = {kind for kind, _ in found}
+    sources = [source for _, source in found]
+    if kinds == {"benchmark"}:
+        if len(sources) > 1 or args.labels:
+            raise UserError("give one benchmark.json on its own (run folders and --labels draw training curves)")
+        benchmark = read_benchmark(sources[0])
+        path = output_path(args.output, "benchmark", sources)
+        fig = plot_benchmark(benchmark, path)
+    elif kinds == {"run"}:
+        if args.labels is not None and len(args.labels) != len(sources):
+            raise UserError(f"--labels gives {len(args.labels)} name(s) for {len(sources)} run folder(s)")
+        runs = [read_metrics(folder / METRICS_NAME) for folder in sources]
+        labels = args.labels or [run_label(folder, epochs) for folder, epochs in zip(sources, runs, strict=True)]
+        path = output_path(args.output, "run", sources)
+        fig = plot_curves(list(zip(labels, runs, strict=True)), path)
+    else:
+        raise UserError("give run folders or one benchmark.json, not both")
+    print(f"Wrote {path}")
+    return fig
+
+
+if __name__ == "__main__":
+    main()
