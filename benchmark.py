@@ -94,7 +94,24 @@ def model_only(args, amp: str, channels_last: bool) -> dict:
 
 
 def row(name: str, kind: str, processes: int, precision: str, measured: dict) -> dict:
+    measured = {key: value for key, value in measured.items() if key != "summary"}
     return {"name": name, "kind": kind, "processes": processes, "precision": precision, **measured}
+
+
+def against_targets(rows: list[dict]) -> list[str]:
+    """The ratios the project's speed targets are about, for the rows that were measured."""
+    first = {}
+    for row in rows:
+        first.setdefault(row["kind"], row)  # of the model-only rows, the first: the ceiling
+    ceiling, baseline, single = first["model-only"], first["baseline"], first["single"]
+    lines = [
+        f"train_single_gpu.py: {single['img_per_sec'] / baseline['img_per_sec']:.2f} x the baseline, "
+        f"{single['img_per_sec'] / ceiling['img_per_sec']:.0%} of the model-only ceiling",
+    ]
+    if "spawn" in first and "torchrun" in first:
+        ratio = first["spawn"]["epoch_seconds"] / first["torchrun"]["epoch_seconds"]
+        lines.append(f"spawn's epoch takes {ratio:.0%} of torchrun's")
+    return lines
 
 
 def run_script(args, name: str, script: list, flags: list) -> dict:
@@ -176,7 +193,7 @@ def main(argv=None):
 
     print(f"Benchmark: {args.img_size} px, batch {args.batch_size}, data {args.data_path}, output {args.output_dir}")
     ceiling = model_only(args, args.amp, args.channels_last)
-    precision = ceiling.pop("summary").split(" (")[0].removeprefix("Precision: ")  # e.g. "bfloat16 autocast"
+    precision = ceiling["summary"].split(" (")[0].removeprefix("Precision: ")  # e.g. "bfloat16 autocast"
     ours = f"{precision}, {'channels_last' if args.channels_last else 'NCHW'}"
     fp32 = "float32, NCHW"
     rows = [
@@ -242,6 +259,7 @@ def main(argv=None):
     plot_benchmark(benchmark, args.output_dir / "benchmark.png")
     print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
     print(markdown_table(rows))
+    print("\n" + "\n".join(against_targets(rows)))
     print(f"\nWrote {args.output_dir / 'benchmark.json'} and {args.output_dir / 'benchmark.png'}")
 
 

@@ -1,0 +1,29 @@
+"""benchmark.py end to end at toy sizes: every row measured, the files written, the table and targets printed."""
+
+import json
+
+from conftest import run_script
+from PIL import Image
+
+
+def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_files(tiny_data, tmp_path):
+    out = tmp_path / "bench"
+    result = run_script(
+        "benchmark.py",
+        *("--data-path", tiny_data, "--output-dir", out, "--img-size", "32", "--batch-size", "4"),
+        *("--epochs", "2", "--steps", "2", "--device", "cpu", "--skip-ddp"),
+    )
+    assert result.returncode == 0, result.stderr
+    benchmark = json.loads((out / "benchmark.json").read_text())
+    assert [row["kind"] for row in benchmark["rows"]] == ["model-only", "model-only", "baseline", "single"]
+    for row in benchmark["rows"]:
+        assert row["img_per_sec"] > 0 and row["peak_rss_mib"] > 100
+    baseline, single = benchmark["rows"][2:]
+    assert baseline["precision"] == "float32, NCHW" and single["epoch_seconds"] > 0
+    # each training row is a real run of the script, with its own metrics
+    assert len((out / "runs" / "single" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "| train_single_gpu.py | 1 |" in result.stdout and "x the baseline" in result.stdout
+    with Image.open(out / "benchmark.png") as png:
+        assert png.format == "PNG" and png.width >= 600
+    rerun = run_script("benchmark.py", "--data-path", tiny_data, "--output-dir", out, "--skip-ddp")
+    assert rerun.returncode == 2 and "already holds a benchmark" in rerun.stderr  # never overwrites
