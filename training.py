@@ -35,7 +35,6 @@ from my_dataset import (
     val_min_side,
     val_transform,
 )
-from plot_results import plot_predictions
 from utils import (
     DEMO_DATA_PATH,
     DataSplit,
@@ -555,6 +554,8 @@ def preview_figure(model, preview, split: DataSplit, compute: Compute):
         predicted = model(compute.batch_to(images, device)).argmax(dim=1).tolist()
     mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
     pixels = (images * std + mean).clamp(0, 1).permute(0, 2, 3, 1).numpy()  # undo Normalize, to HxWx3
+    from plot_results import plot_predictions  # matplotlib: imported by rank 0 alone, when it first draws
+
     return plot_predictions(pixels, labels, predicted, split.classes)
 
 

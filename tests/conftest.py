@@ -81,7 +81,7 @@ def trained_run(learnable_data, tmp_path_factory):
     result = run_script(
         "train_single_gpu.py",
         *("--data-path", learnable_data, "--output-dir", out, "--img-size", "64", "--batch-size", "16"),
-        *("--epochs", "6", "--lr", "0.01", "--workers", "1"),
+        *("--epochs", "6", "--lr", "0.01", "--workers", "0"),
     )
     assert result.returncode == 0, result.stderr
     return out, result

@@ -10,8 +10,8 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     out = tmp_path / "bench"
     result = run_script(
         "benchmark.py",
-        *("--data-path", tiny_data, "--output-dir", out, "--img-size", "32", "--batch-size", "4"),
-        *("--epochs", "2", "--steps", "2", "--device", "cpu", "--skip-ddp"),
+        *("--data-path", tiny_data, "--output-dir", out, "--img-size", "32", "--batch-size", "8"),
+        *("--epochs", "2", "--steps", "1", "--device", "cpu", "--skip-ddp"),
     )
     assert result.returncode == 0, result.stderr
     benchmark = json.loads((out / "benchmark.json").read_text())

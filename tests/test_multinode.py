@@ -14,7 +14,6 @@ import torch
 from conftest import FAST, final_weights, metrics_without_timings, run_script, script_command, torchrun
 
 from multi_train_utils.distributed_utils import find_free_port
-from utils import available_cores
 
 FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST)
 TIMEOUT = 240
@@ -27,19 +26,21 @@ def start_node(port: int, job_id: str, node_rank: int, data, out, log) -> subpro
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job_id}",
     )  # fmt: skip
     # In the one-machine run each of the two processes takes half the cores (training.py shares them out among a
-    # machine's processes); each "node" here thinks it has the machine to itself, so it is told to take half too,
-    # and both runs compute with the same number of threads.
-    threads = str(max(1, available_cores() // 2))
+    # machine's processes); each "node" here would think it has the machine to itself, so it is pinned to its half:
+    # as on two real machines, it sees only its own cores, and both runs compute with the same number of threads.
+    cores = sorted(os.sched_getaffinity(0))
+    half = cores[: len(cores) // 2] if node_rank == 0 else cores[len(cores) // 2 :]
     command = script_command(
         "train_multi_gpu_using_launch.py", "--data-path", data, "--output-dir", out, *FLAGS, launcher=launcher
     )
     return subprocess.Popen(
         command,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
         stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: os.sched_setaffinity(0, half or cores),
     )
 
 

@@ -54,7 +54,8 @@ def test_tensorboard_shows_predictions_each_epoch_and_the_runs_flags(trained_run
     assert [image.step for image in previews] == list(range(6))
     assert all(image.width >= 400 and len(image.encoded_image_string) > 10_000 for image in previews)
     best = [scalar.value for scalar in events.Scalars("hparams/best_val_acc")]
-    assert best == [max(m["val_acc"] for m in assert_run_outputs(trained_run[0], 6, 1)[: e + 1]) for e in range(6)]
+    expected = [max(m["val_acc"] for m in assert_run_outputs(trained_run[0], 6, 1)[: e + 1]) for e in range(6)]
+    assert best == pytest.approx(expected)  # TensorBoard stores float32
     start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     flags = plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams
     assert flags["epochs"].number_value == 6 and flags["img_size"].number_value == 64
@@ -71,7 +72,9 @@ def test_data_parallel_without_several_gpus_trains_a_plain_model(tiny_data, tmp_
     assert not any(name.startswith("module.") for name in final_weights(out, epoch=0))  # loads into a plain model
 
 
-DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST)
+# float32: the validation check below evaluates the saved weights in this process, in float32, and must find the
+# very accuracy the run logged (under bf16 a near-tie may round either way). test_multinode covers DDP in bf16.
+DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", "--amp", "off", *FAST)
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +139,15 @@ def test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_
 
 
 def test_the_same_seed_gives_bitwise_identical_weights_and_another_seed_does_not(tiny_data, tmp_path):
-    def train(seed, name):
+    def train(seed, name, epochs=2):
         out = tmp_path / name
-        flags = ("--epochs", "2", "--seed", seed, "--img-size", "32", "--batch-size", "4", "--workers", "2")
+        flags = ("--epochs", epochs, "--seed", seed, "--img-size", "32", "--batch-size", "8", "--workers", "2")
         result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", out, *flags)
         assert result.returncode == 0, result.stderr
-        return final_weights(out), metrics_without_timings(out)
+        return final_weights(out, epoch=epochs - 1), metrics_without_timings(out)
 
-    (first, first_metrics), (again, again_metrics), (other, _) = train(0, "a"), train(0, "b"), train(1, "c")
+    (first, first_metrics), (again, again_metrics) = train(0, "a"), train(0, "b")
+    other, _ = train(1, "c", epochs=1)  # differs from the first epoch on
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert first_metrics == again_metrics
     assert not torch.equal(first["fc.weight"], other["fc.weight"])
