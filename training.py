@@ -528,8 +528,10 @@ BEST_ACC_TAG = "hparams/best_val_acc"  # the metric TensorBoard's HPARAMS tab sh
 def write_hparams(writer: SummaryWriter, args) -> None:
     """The run's flags in TensorBoard's HPARAMS tab, in the run's own event file (add_hparams would make another
     folder), with the best validation accuracy, logged each epoch, as their metric."""
+    # Numbers stay numbers (sortable there); switches, paths and None become text ("True", not the 1 that
+    # TensorBoard would make of a bool).
     flags = {
-        key: value if isinstance(value, int | float | str | bool) else str(value)
+        key: value if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
         for key, value in plain_args(args).items()
     }
     for summary in hparams(flags, {BEST_ACC_TAG: None}):

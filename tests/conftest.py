@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 from utils import make_demo_data  # noqa: E402
 
 # Settings that make a training run take seconds: tiny images, small batches.
-FAST = ["--img-size", "32", "--batch-size", "4", "--workers", "0"]
+FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0"]
 
 
 def script_command(script: str, *args, launcher=()) -> list[str]:
