@@ -26,11 +26,10 @@ from pathlib import Path
 
 import torch
 
-from model import create_model
 from multi_train_utils.distributed_utils import init_single_process
 from multi_train_utils.train_eval_utils import train_one_epoch
 from plot_results import plot_benchmark
-from training import build_optimizer, choose_compute, peak_memory
+from training import build_model, build_optimizer, choose_compute, peak_memory
 from utils import Parser, UserError, available_cores, entry_point, make_demo_data, number, write_json
 
 ROOT = Path(__file__).resolve().parent
@@ -63,14 +62,15 @@ def parse_args(argv=None):
 def _model_only(queue, img_size, batch_size, amp, channels_last, device, steps):
     """In a fresh process: `steps` timed training steps on random tensors, after three untimed ones."""
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
-    args = argparse.Namespace(amp=amp, channels_last=channels_last, device=device, seed=0, lr=0.001, lrf=0.1, epochs=1)
+    args = argparse.Namespace(amp=amp, channels_last=channels_last, device=device, compile=False, data_parallel=False)
+    args.seed, args.weights, args.freeze_layers, args.lr, args.lrf, args.epochs = 0, None, False, 0.001, 0.1, 1
     args.momentum, args.weight_decay = 0.9, 1e-4
     init_single_process(args)
     device = torch.device(args.device)
     compute, summary = choose_compute(args, device)
-    model = create_model(5).to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    model, _ = build_model(args, 5, device)  # as the scripts build it, in one process
     optimizer, _ = build_optimizer(args, model)
-    scaler = torch.amp.GradScaler(device.type, enabled=compute.amp_dtype == torch.float16)
+    scaler = compute.grad_scaler(device)
     generator = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, 3, img_size, img_size, generator=generator), torch.randint(0, 5, (batch_size,)))
     train_one_epoch(model, optimizer, [batch] * 3, device, 0, compute, scaler)  # warm-up: allocations, kernels

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from inference import DEFAULT_IMG_SIZE, add_model_arguments, image_loader, load_trained_model
 from multi_train_utils.distributed_utils import resolve_device
 from multi_train_utils.train_eval_utils import evaluate
+from plot_results import save_png
 from training import check_writable
 from utils import (
     HelpFormatter,
@@ -25,7 +26,6 @@ from utils import (
     entry_point,
     number,
     read_split_data,
-    write_atomically,
     write_json,
 )
 
@@ -61,7 +61,7 @@ def plot_confusion_matrix(confusion: torch.Tensor, classes: list[str], title: st
     for (row, column), count in np.ndenumerate(counts):
         dark = count > counts.max() / 2  # white text on the dark cells
         axes.text(column, row, str(count), ha="center", va="center", color="white" if dark else "black")
-    write_atomically(path, lambda f: figure.savefig(f, format="png"), binary=True)
+    save_png(figure, path)
 
 
 def parse_args(argv=None):

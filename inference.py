@@ -121,8 +121,7 @@ def load_trained_model(weights: Path, class_indices: Path | None, device: torch.
     # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
     run_compute = argparse.Namespace(amp=run_args.get("amp", "off"), channels_last=run_args.get("channels_last", False))
     compute, _ = choose_compute(run_compute, device)
-    layout = torch.channels_last if compute.channels_last else torch.preserve_format
-    model = model.to(device, memory_format=layout).eval()
+    model = model.to(device, memory_format=compute.memory_format).eval()
     return TrainedModel(model, device, compute, classes, run_args, run_folder(weights))
 
 

@@ -366,7 +366,7 @@ def build_model(args, num_classes: int, device: torch.device):
         say(f"Weights from {args.weights}: {report.summary()}")
     if args.freeze_layers:
         freeze_all_but_head(model)
-    model.to(device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
+    model.to(device, memory_format=Compute(channels_last=args.channels_last).memory_format)
     plain = model
     if args.data_parallel:
         model = data_parallel(model, device)
@@ -435,7 +435,7 @@ def train(args, split: DataSplit) -> dict:
     say(compute_summary)
     model, model_without_ddp = build_model(args, num_classes, device)
     optimizer, scheduler = build_optimizer(args, model)
-    scaler = torch.amp.GradScaler(device.type, enabled=compute.amp_dtype == torch.float16)
+    scaler = compute.grad_scaler(device)
     say(
         f"Learning rate {optimizer.param_groups[0]['lr']:g} (--lr {args.lr:g} x world size {world_size}); "
         f"global batch {args.batch_size * world_size}"

@@ -28,14 +28,22 @@ class Compute:
     amp_dtype: torch.dtype | None = None
     channels_last: bool = False
 
+    @property
+    def memory_format(self) -> torch.memory_format:
+        """For the images of each batch and for the model's weights (`model.to(memory_format=...)`)."""
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
     def autocast(self, device: torch.device):
         return torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        """The gradient scaler for train_one_epoch: active for float16 only, a pass-through otherwise."""
+        return torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
+
     def batch_to(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
         # non_blocking only pays on CUDA, from the pinned memory the loader fills there.
-        layout = torch.channels_last if self.channels_last else torch.contiguous_format
         device = torch.device(device)
-        return images.to(device, non_blocking=device.type == "cuda", memory_format=layout)
+        return images.to(device, non_blocking=device.type == "cuda", memory_format=self.memory_format)
 
 
 def train_one_epoch(

@@ -32,7 +32,7 @@ def probabilities_in_process(weights, images, run_args: dict) -> torch.Tensor:
     model = resnet34(num_classes=5)
     model.load_state_dict(torch.load(weights, weights_only=True))
     compute, _ = choose_compute(argparse.Namespace(**run_args), torch.device("cpu"))
-    model = model.to(memory_format=torch.channels_last if compute.channels_last else torch.preserve_format).eval()
+    model = model.to(memory_format=compute.memory_format).eval()
     loader = DataLoader(MyDataSet(images, [0] * len(images), val_transform(run_args["img_size"])), batch_size=16)
     with torch.no_grad(), compute.autocast(torch.device("cpu")):
         return torch.cat([model(compute.batch_to(batch, "cpu")).float().softmax(dim=1) for batch, _ in loader])
