@@ -1,8 +1,10 @@
-"""SyncBatchNorm for every device: torch's own on CUDA, a small equivalent for the CPU (gloo).
+"""SyncBatchNorm for every device: torch's own on CUDA, an equivalent for the CPU (gloo).
 
-torch.nn.SyncBatchNorm runs only on GPUs, and DDP refuses it on the CPU. The CPU version here computes the same
-thing with one all-reduce per layer: the batch mean and variance over every process's images, with gradients
-flowing back through the reduction, so DDP on N processes computes what one process would on all the images.
+torch.nn.SyncBatchNorm runs only on GPUs, and the kernels it is built from (batch_norm_stats, batch_norm_elemt,
+...) exist only there. The CPU version here computes the same thing from torch's fused CPU BatchNorm kernels,
+with one small all-reduce per layer in each direction: the forward pass combines every process's per-channel
+mean and variance into the global batch's, and the backward pass combines the two per-channel gradient sums
+that BatchNorm's gradient needs. DDP on N processes then computes what one process computes on all the images.
 """
 
 import torch
@@ -10,20 +12,64 @@ import torch.distributed as dist
 from torch import nn
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over processes; the gradient of a sum reaches every input, so the backward pass is the same sum."""
+@torch.no_grad()
+def global_batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-channel mean and (biased) variance of `x` over every process's batch, and the number of values.
+
+    Each process measures its own batch in one fused pass; the moments are combined in float64, which is exact
+    enough that a split batch gives the statistics of the whole one (to float rounding).
+    """
+    channels = x.shape[1]
+    stats_dtype = torch.promote_types(x.dtype, torch.float32)
+    # Float32 buffers make torch accumulate bfloat16 input in float32; momentum 0 leaves them as they are.
+    scratch = torch.zeros(2, channels, dtype=stats_dtype, device=x.device)
+    mean, var = torch.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
+    count = x.numel() // channels
+    mean, var = mean.double(), var.double()
+    moments = torch.cat([mean * count, (var + mean * mean) * count, mean.new_tensor([count])])
+    dist.all_reduce(moments)
+    total = int(moments[-1].item())
+    mean = moments[:channels] / total
+    var = (moments[channels : 2 * channels] / total - mean * mean).clamp_(min=0)
+    return mean.to(stats_dtype), var.to(stats_dtype), total
+
+
+class _GlobalBatchNorm(torch.autograd.Function):
+    """y = weight * (x - mean) / sqrt(var + eps) + bias with the global batch's mean and var, and its gradient.
+
+    The gradient flows through the statistics too: for every process's input,
+        dx = weight / sqrt(var + eps) * (dy - mean(dy) - x_hat * mean(dy * x_hat)),
+    the two means taken over the global batch (one all-reduce). The weight and bias gradients stay this
+    process's own sums; DDP averages them over the processes like any other parameter's.
+    """
 
     @staticmethod
-    def forward(ctx, tensor):
-        tensor = tensor.clone()
-        dist.all_reduce(tensor)
-        return tensor
+    def forward(ctx, x, weight, bias, mean, var, eps: float, total: int):
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.eps, ctx.total = eps, total
+        return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
 
     @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad
+    def backward(ctx, grad_out):
+        x, weight, mean, var = ctx.saved_tensors
+        # This process's sum(dy * x_hat) and sum(dy), per channel, in one fused pass.
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            grad_out, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
+        )
+        sums = torch.cat([sum_dy, sum_dy_xhat])
+        dist.all_reduce(sums)
+        channels = mean.numel()
+        mean_dy, mean_dy_xhat = sums[:channels] / ctx.total, sums[channels:] / ctx.total
+        invstd = torch.rsqrt(var + ctx.eps)
+        scale = invstd if weight is None else weight * invstd
+        # dx = scale * dy + slope * x + offset, per channel: two fused passes over the activations.
+        slope = -scale * invstd * mean_dy_xhat
+        offset = -scale * mean_dy - slope * mean
+        shape = (1, channels, 1, 1)
+        grad_in = torch.addcmul(offset.view(shape), grad_out, scale.view(shape)).addcmul_(x, slope.view(shape))
+        grad_weight = sum_dy_xhat if ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy if ctx.needs_input_grad[2] else None
+        return grad_in.to(x.dtype), grad_weight, grad_bias, None, None, None, None
 
 
 class CPUSyncBatchNorm(nn.BatchNorm2d):
@@ -32,28 +78,14 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(x)
-        channels = x.shape[1]
-        dims = (0, 2, 3)
-        count = torch.full((1,), x.numel() / channels, dtype=torch.float64)
-        # Sums in float64 so that E[x^2] - E[x]^2 loses nothing worth mentioning.
-        local = torch.cat([x.sum(dims, dtype=torch.float64), (x * x).sum(dims, dtype=torch.float64), count])
-        total = _AllReduceSum.apply(local)
-        n = total[-1]
-        mean = total[:channels] / n
-        var = total[channels : 2 * channels] / n - mean * mean
+        mean, var, total = global_batch_stats(x)
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
-                self.running_var.lerp_((var * n / (n - 1)).to(self.running_var.dtype), momentum)
-        # Normalise in float32 whatever the input (bfloat16 under autocast), as torch's BatchNorm does inside.
-        invstd = torch.rsqrt(var + self.eps).float()
-        shape = (1, channels, 1, 1)
-        out = (x.float() - mean.float().view(shape)) * invstd.view(shape)
-        if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out.to(x.dtype)
+                self.running_var.lerp_((var * total / (total - 1)).to(self.running_var.dtype), momentum)
+        return _GlobalBatchNorm.apply(x, self.weight, self.bias, mean, var, self.eps, total)
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:

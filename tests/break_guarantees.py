@@ -20,8 +20,10 @@ SHARD_TEST = EQ + "test_training_shards_are_disjoint_cover_the_data_and_reshuffl
 
 # (name, file, text, replacement, the test that must fail)
 BREAKS = [
-    ("1 SyncBN backward not reduced", "multi_train_utils/sync_batchnorm.py",
-     "        grad = grad.clone()\n        dist.all_reduce(grad)\n", "        grad = grad.clone()\n", STEP_TEST),
+    ("1 SyncBN backward not reduced", "multi_train_utils/sync_batchnorm.py", "        dist.all_reduce(sums)\n", "",
+     STEP_TEST),
+    ("1a SyncBN statistics not reduced", "multi_train_utils/sync_batchnorm.py", "    dist.all_reduce(moments)\n", "",
+     STEP_TEST),
     ("1b lr not scaled by world size", "training.py", "lr = args.lr * get_world_size()", "lr = args.lr", STEP_TEST),
     ("2 SyncBN despite --no-sync-bn", "training.py", "if args.sync_bn and not args.freeze_layers:",
      "if not args.freeze_layers:", EQ + "test_without_sync_bn_ddp_differs_exactly_where_batch_statistics_enter"),
