@@ -259,6 +259,7 @@ def prepare(args, world_size: int) -> DataSplit:
             raise UserError(f"{args.resume} was trained on classes {state['classes']}, the data has {split.classes}")
         if state["world_size"] != world_size:
             raise UserError(f"{args.resume} was made by {state['world_size']} process(es); resume with as many")
+        check_same_recipe(args.resume, state["args"], args)
         args.output_dir = args.output_dir or args.resume.parent
     elif args.output_dir is None:
         args.output_dir = Path("runs") / f"{args.script}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -268,6 +269,30 @@ def prepare(args, world_size: int) -> DataSplit:
         )
     check_writable(args.output_dir)
     return split
+
+
+# The flags that decide what a run computes: a resumed run must keep them, or its epochs would follow two
+# different recipes (a new --epochs, say, would bend the learning-rate schedule half way). Speed flags (--amp,
+# --channels-last, --workers, --device, ...) may change: they change rounding, not the recipe.
+RECIPE_FLAGS = (
+    "epochs", "batch_size", "lr", "lrf", "momentum", "weight_decay", "seed", "val_rate", "img_size", "freeze_layers",
+    "sync_bn",
+)  # fmt: skip
+
+
+def check_same_recipe(checkpoint: Path, saved: dict, args) -> None:
+    """UserError naming every recipe flag whose value differs from the one the checkpoint's run used."""
+    given = vars(args)
+    changed = [
+        f"--{name.replace('_', '-')} {saved[name]} (not {given[name]})"
+        for name in RECIPE_FLAGS
+        if name in saved and name in given and saved[name] != given[name]
+    ]
+    if changed:
+        raise UserError(
+            f"{checkpoint} was trained with {', '.join(changed)}: resume with the run's own flags, or start a "
+            f"new run from its weights (--weights {checkpoint.parent / 'weights' / 'best.pth'})"
+        )
 
 
 def check_writable(folder: Path) -> None:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,16 @@ from utils import make_demo_data  # noqa: E402
 
 # Settings that make a training run take seconds: tiny images, small batches.
 FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0"]
+FAULTS = ROOT / "tests" / "fault_injection"
+
+
+def fault_env(fault: str | None = None) -> dict:
+    """Environment for a run: a unique marker to find its processes by, and optionally an injected fault
+    (see tests/fault_injection/sitecustomize.py, e.g. "raise:0:2": rank 0 fails at the start of epoch 2)."""
+    env = {"RUN_MARKER": uuid.uuid4().hex, "PYTHONPATH": f"{FAULTS}{os.pathsep}{ROOT}"}
+    if fault:
+        env["FAULT"] = fault
+    return env
 
 
 def script_command(script: str, *args, launcher=()) -> list[str]:

@@ -5,24 +5,23 @@ import os
 import signal
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, ROOT, final_weights, metrics_without_timings, run_script, script_command, torchrun
+from conftest import (
+    FAST,
+    ROOT,
+    assert_user_error,
+    fault_env,
+    final_weights,
+    metrics_without_timings,
+    run_script,
+    script_command,
+    torchrun,
+)
 
 from checkpoint import load_checkpoint
-
-FAULTS = ROOT / "tests" / "fault_injection"
-
-
-def fault_env(fault: str | None = None) -> dict:
-    """Environment for a run: a unique marker to find its processes by, and optionally an injected fault."""
-    env = {"RUN_MARKER": uuid.uuid4().hex, "PYTHONPATH": f"{FAULTS}{os.pathsep}{ROOT}"}
-    if fault:
-        env["FAULT"] = fault
-    return env
 
 
 def processes_with(marker: str) -> list[int]:
@@ -63,6 +62,7 @@ def wait_for_checkpoint(path: Path, epoch: int, process: subprocess.Popen, timeo
     raise AssertionError(f"no checkpoint of epoch {epoch} within {timeout} s")
 
 
+@pytest.mark.guarantee
 def test_a_run_killed_after_epoch_2_and_resumed_ends_bitwise_as_an_uninterrupted_run(tiny_data, tmp_path):
     flags = ("--data-path", tiny_data, "--epochs", "4", *FAST)
     assert run_script("train_single_gpu.py", *flags, "--output-dir", tmp_path / "straight").returncode == 0
@@ -82,6 +82,26 @@ def test_a_run_killed_after_epoch_2_and_resumed_ends_bitwise_as_an_uninterrupted
     expected_weights, weights = final_weights(tmp_path / "straight", epoch=3), final_weights(out, epoch=3)
     assert all(torch.equal(expected_weights[k], weights[k]) for k in expected_weights)
     assert metrics_without_timings(out) == metrics_without_timings(tmp_path / "straight")  # every epoch once
+
+
+def test_a_resume_that_would_change_the_recipe_is_refused_and_leaves_the_run_as_it_was(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    flags = ("--data-path", tiny_data, "--epochs", "2", *FAST)
+    stopped = run_script("train_single_gpu.py", *flags, "--output-dir", out, env=fault_env("raise:0:1"))
+    assert stopped.returncode != 0 and load_checkpoint(out / "checkpoint.pth")["epoch"] == 0
+    before = {path: path.read_bytes() for path in (out / "checkpoint.pth", out / "metrics.jsonl")}
+
+    # A longer schedule (and another rate) would bend the learning rate of the epochs still to come.
+    refused = run_script(
+        "train_single_gpu.py", *flags, "--epochs", "3", "--lr", "0.5", "--resume", out / "checkpoint.pth"
+    )
+    assert_user_error(refused, "--epochs 2 (not 3), --lr 0.001 (not 0.5)")
+    assert {path: path.read_bytes() for path in before} == before
+
+    # Speed flags may change: the recipe is the same.
+    resumed = run_script("train_single_gpu.py", *flags, "--workers", "1", "--resume", out / "checkpoint.pth")
+    assert resumed.returncode == 0, resumed.stderr
+    assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 1
 
 
 def test_torchrun_restarts_a_killed_worker_and_the_run_completes_from_its_checkpoint(tiny_data, tmp_path):
