@@ -14,11 +14,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from machine import available_cores
 from model import create_model, read_state_dict
 from multi_train_utils.train_eval_utils import Compute
 from my_dataset import MyDataSet, val_min_side, val_transform
 from training import choose_compute
-from utils import UserError, available_cores, describe, number, positive_int, safe_load
+from utils import UserError, describe, number, positive_int, safe_load
 
 # Used where the run's own flags are not found (a weights file on its own): the training scripts' defaults.
 DEFAULT_IMG_SIZE, DEFAULT_BATCH_SIZE = 224, 16
@@ -119,8 +120,9 @@ def load_trained_model(weights: Path, class_indices: Path | None, device: torch.
         )
     model.load_state_dict(state_dict)
     # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
-    run_compute = argparse.Namespace(amp=run_args.get("amp", "off"), channels_last=run_args.get("channels_last", False))
-    compute, _ = choose_compute(run_compute, device)
+    compute, _ = choose_compute(
+        run_args.get("amp", "off"), run_args.get("channels_last", False), device, run_args.get("img_size", 224)
+    )
     model = model.to(device, memory_format=compute.memory_format).eval()
     return TrainedModel(model, device, compute, classes, run_args, run_folder(weights))
 

@@ -84,11 +84,6 @@ def describe(paths: list[str], shown: int = 5) -> str:
     return ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 
 
-def available_cores() -> int:
-    """CPU cores this process may run on (fewer than the machine has under taskset, SLURM or a container)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def safe_load(path, what: str):
     """torch.load(weights_only=True) of a file the user named, with any failure as a UserError.
 

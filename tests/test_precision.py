@@ -1,10 +1,13 @@
 """The speed options change how the model computes, not what it learns: mixed precision, channels_last, compile."""
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import FAST, run_script
+from conftest import FAST, ROOT, fault_env, run_script
 from torch import nn
 
 from multi_train_utils.train_eval_utils import Compute, evaluate, train_one_epoch
@@ -75,6 +78,20 @@ def test_compile_wraps_the_model_and_saves_plain_names():
     assert not any(name.startswith(("_orig_mod.", "module.")) for name in plain.state_dict())
 
 
+@pytest.fixture
+def uncapped_cpu(monkeypatch):
+    """A CPU whose bfloat16 support a test sets, with torch uncapped (AVX-512 kernels, no oneDNN cap)."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+
+    def set_bfloat16(supported: bool):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: supported)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: supported)
+
+    return set_bfloat16
+
+
 @pytest.mark.parametrize(
     "amp, gpu_capability, cpu_bf16, expected",
     [
@@ -88,15 +105,63 @@ def test_compile_wraps_the_model_and_saves_plain_names():
     ],
 )
 def test_amp_auto_picks_bfloat16_only_where_the_device_computes_it(
-    monkeypatch, amp, gpu_capability, cpu_bf16, expected
+    uncapped_cpu, monkeypatch, amp, gpu_capability, cpu_bf16, expected
 ):
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: cpu_bf16)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: cpu_bf16)
+    uncapped_cpu(cpu_bf16)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu_capability)
     device = torch.device("cuda", 0) if gpu_capability else CPU
-    compute, summary = choose_compute(model_args(amp=amp, channels_last=True), device)
+    compute, summary = choose_compute(amp, True, device, 224)
     assert compute.amp_dtype == expected and compute.channels_last
     assert summary.startswith("Precision: ") and f"--amp {amp}" in summary
+
+
+@pytest.mark.parametrize(
+    "torch_isa, onednn_cap, expected",
+    [
+        ("AVX512", None, torch.bfloat16),
+        ("AVX2", None, None),  # ATEN_CPU_CAPABILITY=avx2
+        ("AVX512", "AVX2", None),  # ONEDNN_MAX_CPU_ISA=AVX2
+        ("AVX512", "avx512_core", None),  # AVX-512 without its bfloat16 instructions
+        ("AVX512", "AVX512_CORE_AMX", torch.bfloat16),
+        ("AVX512", "ALL", torch.bfloat16),
+    ],
+)
+def test_amp_auto_honours_the_caps_that_make_torch_compute_like_an_avx2_cpu(
+    uncapped_cpu, monkeypatch, torch_isa, onednn_cap, expected
+):
+    uncapped_cpu(True)  # an AMX machine...
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: torch_isa)  # ...with torch capped, or not
+    if onednn_cap:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn_cap)
+    compute, summary = choose_compute("auto", None, CPU, 224)
+    assert compute.amp_dtype == expected
+    assert ("capped" in summary) == (expected is None)
+
+
+def test_under_the_avx2_caps_a_run_trains_in_float32_on_any_cpu():
+    code = "import torch, training; print(training.choose_compute('auto', None, torch.device('cpu'), 224)[1])"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Precision: float32 (--amp auto: "), result.stdout
+
+
+@pytest.mark.parametrize(
+    "device, img_size, flag, expected",
+    [
+        ("cpu", 32, None, False),  # the last stage's maps are 1x1: channels_last copies weights every step
+        ("cpu", 64, None, False),  # 2x2: the same
+        ("cpu", 96, None, True),  # 3x3: as fast or faster
+        ("cpu", 224, None, True),
+        ("cpu", 64, True, True),  # a given flag wins
+        ("cpu", 224, False, False),
+        ("cuda", 32, None, True),  # GPUs convolve fastest in channels_last
+    ],
+)
+def test_channels_last_is_chosen_where_it_is_faster_unless_a_flag_says(device, img_size, flag, expected):
+    compute, summary = choose_compute("off", flag, torch.device(device), img_size)
+    assert compute.channels_last == expected
+    assert ("channels_last" if expected else "NCHW") in summary
 
 
 def test_a_float16_run_saves_its_gradient_scaler_and_resumes_with_it(tmp_path):
@@ -104,12 +169,12 @@ def test_a_float16_run_saves_its_gradient_scaler_and_resumes_with_it(tmp_path):
     data = make_demo_data(tmp_path / "data", images_per_class=5, size=(20, 20))
     out = tmp_path / "run"
     flags = ("--data-path", data, "--output-dir", out, "--amp", "fp16", "--img-size", "16", "--batch-size", "4")
-    result = run_script("train_single_gpu.py", *flags, "--workers", "0", "--epochs", "1")
-    assert result.returncode == 0, result.stderr
+    flags += ("--workers", "0", "--epochs", "2")
+    result = run_script("train_single_gpu.py", *flags, env=fault_env("raise:0:1"))  # stops after epoch 0
     assert "float16 autocast with gradient scaling" in result.stdout
     state = torch.load(out / "checkpoint.pth", weights_only=True)
-    assert state["scaler"]["scale"] > 1
-    result = run_script("train_single_gpu.py", *flags, "--workers", "0", "--epochs", "2", "--auto-resume")
+    assert state["epoch"] == 0 and state["scaler"]["scale"] > 1
+    result = run_script("train_single_gpu.py", *flags, "--auto-resume")
     assert result.returncode == 0, result.stderr
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] == 1
 

@@ -1,0 +1,75 @@
+"""What this machine computes natively, as torch will use it: the processor's name, cores and instruction set,
+and whether it has bfloat16 arithmetic.
+
+Torch picks its CPU kernels at start-up from the instruction set it detects, and two environment variables cap
+that choice: ATEN_CPU_CAPABILITY for torch's own kernels (e.g. `avx2`), ONEDNN_MAX_CPU_ISA for oneDNN's
+convolutions and matrix products (e.g. `AVX2`). With both set to AVX2, an AVX-512/AMX machine computes as an
+AVX2-only one does (an AMD EPYC, most laptops): that is how this project checks one kind of machine on the other,
+and why every decision here reads the caps, not only what the processor could do.
+"""
+
+import os
+import platform
+
+import torch
+
+# Environment that makes torch on an AVX-512/AMX CPU compute with the kernels an AVX2-only CPU uses: torch's own,
+# oneDNN's (convolutions), MKL's (the classifier's matrix products). Read when torch is imported, so it must be
+# in a process's environment before it starts.
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+# oneDNN's instruction-set levels, lowest first (its ONEDNN_MAX_CPU_ISA values): bfloat16 arithmetic arrives
+# with AVX512_CORE_BF16, and every later level has it.
+ONEDNN_ISA_LEVELS = (
+    "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
+    "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX", "AVX10_1_512_AMX_FP16",
+    "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2",
+)  # fmt: skip
+
+
+def torch_cpu_isa() -> str:
+    """The instruction set of torch's own CPU kernels: "AVX512", "AVX2", ... (ATEN_CPU_CAPABILITY caps it)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def onednn_isa_cap() -> str | None:
+    """The level ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA) caps oneDNN at, or None."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return cap.upper() if cap and cap.upper() not in ("ALL", "DEFAULT") else None
+
+
+def cpu_bfloat16() -> tuple[bool, str]:
+    """Whether the CPU computes bfloat16 natively as torch will run it, and why (a phrase for a message)."""
+    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+        return False, "this CPU has no bfloat16 instructions (no AMX, no AVX512-BF16)"
+    if torch_cpu_isa() != "AVX512":
+        return False, f"torch's CPU kernels are capped at {torch_cpu_isa()} (ATEN_CPU_CAPABILITY)"
+    cap = onednn_isa_cap()
+    if cap in ONEDNN_ISA_LEVELS and ONEDNN_ISA_LEVELS.index(cap) < ONEDNN_ISA_LEVELS.index("AVX512_CORE_BF16"):
+        return False, f"oneDNN is capped at {cap} (ONEDNN_MAX_CPU_ISA)"
+    return True, "this CPU has AMX/AVX512-BF16"
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (fewer than the machine has under taskset, SLURM or a container)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def describe_cpu() -> str:
+    """E.g. "AMD EPYC, 2 cores, torch kernels AVX2, no bfloat16 (...)": what a measured figure was measured on."""
+    bf16, why = cpu_bfloat16()
+    cap = onednn_isa_cap()
+    return (
+        f"{cpu_name()}, {available_cores()} cores, torch kernels {torch_cpu_isa()}"
+        + (f", oneDNN capped at {cap}" if cap else "")
+        + (", native bfloat16" if bf16 else f", no native bfloat16: {why}")
+    )
