@@ -18,11 +18,17 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     assert [row["kind"] for row in benchmark["rows"]] == ["model-only", "model-only", "baseline", "single"]
     for row in benchmark["rows"]:
         assert row["img_per_sec"] > 0 and row["peak_rss_mib"] > 100
+        assert 0 < row["peak_fraction"] < 1  # of the measured matrix-product peak of its precision
     baseline, single = benchmark["rows"][2:]
     assert baseline["precision"] == "float32, NCHW" and single["epoch_seconds"] > 0
     # each training row is a real run of the script, with its own metrics
     assert len((out / "runs" / "single" / "metrics.jsonl").read_text().splitlines()) == 2
-    assert "| train_single_gpu.py | 1 |" in result.stdout and "x the baseline" in result.stdout
+    # the machine the figures hold for: processor, cores, the instruction set torch computes with, the peaks
+    settings = benchmark["settings"]
+    assert "cores, torch kernels" in benchmark["machine"] and settings["matmul_peak_flops"]["float32"] > 1e9
+    assert 1e6 < settings["training_flops_per_image"] < 1e10  # ResNet-34 at 32 px: about 0.2 GFLOP
+    assert "| train_single_gpu.py | 1 |" in result.stdout and "Matrix-product peak: float32" in result.stdout
+    assert "of the model-only ceiling" in result.stdout and "x the original's setup" in result.stdout
     with Image.open(out / "benchmark.png") as png:
         assert png.format == "PNG" and png.width >= 600
     rerun = run_script("benchmark.py", "--data-path", tiny_data, "--output-dir", out, "--skip-ddp")
