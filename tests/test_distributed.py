@@ -41,6 +41,7 @@ def _evaluate_shard(rank, world_size, data_path, result_path):
         torch.save(confusion, result_path)
 
 
+@pytest.mark.guarantee
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_validation_counts_every_image_once_whatever_the_world_size(tiny_data, tmp_path, world_size):
     split = read_split_data(tiny_data, val_rate=VAL_RATE, seed=0)
@@ -67,6 +68,7 @@ def _sync_bn_step(rank, world_size, x, result_path):
     )
 
 
+@pytest.mark.guarantee
 def test_cpu_sync_batchnorm_equals_batchnorm_over_the_whole_batch(tmp_path):
     x = torch.randn(6, 3, 5, 4, generator=torch.Generator().manual_seed(1)) * 3 + 1
     spawn_world(_sync_bn_step, 2, x, tmp_path / "r")

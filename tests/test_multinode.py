@@ -93,6 +93,7 @@ def test_two_nodes_of_one_process_form_one_job_of_world_size_two(two_node_run):
     assert sum("2 process(es) on cpu, backend gloo" in output for output in outputs) == 1
 
 
+@pytest.mark.guarantee
 def test_two_nodes_train_exactly_like_two_processes_on_one_node(two_node_run, one_node_run):
     two_nodes, one_node = final_weights(two_node_run[0]), final_weights(one_node_run)
     assert two_nodes.keys() == one_node.keys()
