@@ -2,11 +2,12 @@
 
 import json
 
+import numpy as np
 import pytest
 from conftest import assert_user_error, run_script
 from PIL import Image
 
-from plot_results import main, plot_benchmark, plot_curves, read_metrics, run_label
+from plot_results import main, plot_benchmark, plot_curves, plot_predictions, read_metrics, run_label
 
 
 def write_run(folder, world_size: int, epochs: int = 4):
@@ -102,6 +103,19 @@ def test_the_benchmark_chart_labels_each_bar_and_says_where_it_was_measured(tmp_
     ]
     for fragment in ("Intel Xeon (2 cores), no GPU", "2026-11-22", "224 px", "batch 16", "bf16"):
         assert fragment in ax.get_title()
+
+
+def test_each_preview_image_is_labelled_with_its_prediction_green_when_right_red_with_the_truth_when_wrong():
+    images = [np.full((32, 32, 3), shade) for shade in np.linspace(0, 1, 6)]
+    fig = plot_predictions(images, [0, 1, 2, 0, 1, 2], [0, 1, 1, 0, 2, 2], ["daisy", "roses", "tulips"])
+    labels = [(text.get_text(), text.get_color()) for text in fig.axes[0].texts]
+    assert labels == [
+        ("daisy", "green"), ("roses", "green"), ("roses\n(true: tulips)", "red"),
+        ("daisy", "green"), ("tulips\n(true: roses)", "red"), ("tulips", "green"),
+    ]  # fmt: skip
+    # every label sits above its own picture: left to right, then the next row lower down
+    positions = [text.get_position() for text in fig.axes[0].texts]
+    assert positions[0][0] < positions[1][0] < positions[2][0] < positions[3][0] and positions[4][1] > positions[0][1]
 
 
 def test_the_curves_of_a_real_training_run(trained_run, tmp_path):
