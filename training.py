@@ -56,7 +56,7 @@ from utils import (
 
 # --demo trains on generated data with settings that finish in a few minutes on a laptop CPU; any flag given
 # on the command line still wins.
-DEMO_DEFAULTS = {"epochs": 10, "img_size": 64, "lr": 0.01}
+DEMO_DEFAULTS = {"epochs": 8, "img_size": 48, "batch_size": 32, "lr": 0.01}
 
 
 def switch(group, flag: str, default: bool | None, help: str) -> None:
