@@ -1,5 +1,11 @@
-"""Run a function in N gloo processes on this machine, the way the spawn script does, for in-process tests."""
+"""Run a function in N gloo processes on this machine, for tests of what the processes compute together.
 
+The processes start from a fork server that has imported torch and the project once, instead of each importing
+them anew as spawn's would (6-7 s each on a 2-core CPU). The fork server itself computes nothing, so no thread
+pool exists to break in the forked copies. The spawn script is tested as users start it, with spawn itself.
+"""
+
+import multiprocessing
 import os
 
 import torch.distributed as dist
@@ -19,4 +25,7 @@ def _join_and_run(rank, world_size, port, fn, args):
 
 def spawn_world(fn, world_size: int, *args) -> None:
     """Call fn(rank, world_size, *args) in world_size processes joined in a gloo group; re-raises any failure."""
-    mp.spawn(_join_and_run, args=(world_size, find_free_port(), fn, args), nprocs=world_size, join=True)
+    multiprocessing.set_forkserver_preload(["torch", "torchvision", "training"])
+    mp.start_processes(
+        _join_and_run, args=(world_size, find_free_port(), fn, args), nprocs=world_size, start_method="forkserver"
+    )

@@ -1,7 +1,6 @@
 """Bad input: one clear line on stderr, exit status 2, nothing overwritten; unreadable images skipped or refused."""
 
 import shutil
-import socket
 
 import pytest
 import torch
@@ -29,8 +28,8 @@ def test_unreadable_images_are_skipped_with_one_warning_naming_them(data_with_ba
     assert "skipped 2 unreadable image(s)" in warnings[0]
 
 
-def test_strict_images_turns_unreadable_images_into_an_error(data_with_bad_images, tmp_path):
-    result = run_script("train_single_gpu.py", "--data-path", data_with_bad_images, "--strict-images",
+def test_strict_images_turns_unreadable_images_into_an_error(data_with_bad_images, tmp_path, run_main):
+    result = run_main("train_single_gpu.py", "--data-path", data_with_bad_images, "--strict-images",
                         "--output-dir", tmp_path / "run", *FAST)  # fmt: skip
     assert_user_error(result, "2 unreadable image(s) (--strict-images)")
     assert not (tmp_path / "run").exists()
@@ -49,13 +48,13 @@ def bad_weights(tmp_path, kind):
     "kind, fragment",
     [("missing", "does not exist"), ("text", "refused by the safe loader"), ("resnet18", "does not fit ResNet-34")],
 )
-def test_unusable_weights_are_one_line_and_exit_2(tiny_data, tmp_path, kind, fragment):
-    result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--weights", bad_weights(tmp_path, kind),
+def test_unusable_weights_are_one_line_and_exit_2(tiny_data, tmp_path, run_main, kind, fragment):
+    result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--weights", bad_weights(tmp_path, kind),
                         "--output-dir", tmp_path / "run", *FAST)  # fmt: skip
     assert_user_error(result, fragment)
 
 
-def test_unusable_resume_files_are_one_line_and_exit_2(tiny_data, tmp_path):
+def test_unusable_resume_files_are_one_line_and_exit_2(tiny_data, tmp_path, run_main):
     weights_only = tmp_path / "weights.pth"
     torch.save(create_model(5).state_dict(), weights_only)
     truncated = tmp_path / "checkpoint.pth"
@@ -65,37 +64,29 @@ def test_unusable_resume_files_are_one_line_and_exit_2(tiny_data, tmp_path):
         (truncated, "cannot be read"),
         (weights_only, "not a training checkpoint"),
     ]:
-        assert_user_error(
-            run_script("train_single_gpu.py", "--data-path", tiny_data, "--resume", path, *FAST), fragment
-        )
+        assert_user_error(run_main("train_single_gpu.py", "--data-path", tiny_data, "--resume", path, *FAST), fragment)
 
 
-def test_an_output_folder_that_cannot_be_written_is_one_line_and_exit_2(tiny_data, tmp_path):
+def test_an_output_folder_that_cannot_be_written_is_one_line_and_exit_2(tiny_data, tmp_path, run_main):
     (tmp_path / "a_file").write_text("")
-    result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", tmp_path / "a_file" / "run")
+    result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", tmp_path / "a_file" / "run")
     assert_user_error(result, "cannot write the output folder")
 
 
-def test_a_batch_larger_than_a_process_share_of_the_data_is_one_line_and_exit_2(tiny_data, tmp_path):
-    result = run_script("train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--world-size", "2",
+def test_a_batch_larger_than_a_process_share_of_the_data_is_one_line_and_exit_2(tiny_data, tmp_path, run_main):
+    result = run_main("train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--world-size", "2",
                         "--batch-size", "40", "--output-dir", tmp_path / "run")  # fmt: skip
     assert_user_error(result, "an epoch would have no step")
 
 
-def test_auto_resume_needs_an_output_folder(tiny_data):
-    assert_user_error(run_script("train_single_gpu.py", "--data-path", tiny_data, "--auto-resume"), "--output-dir")
+def test_auto_resume_needs_an_output_folder(tiny_data, run_main):
+    assert_user_error(run_main("train_single_gpu.py", "--data-path", tiny_data, "--auto-resume"), "--output-dir")
 
 
-def test_spawn_chooses_another_port_when_master_port_is_taken(tiny_data, tmp_path):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        result = run_script("train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--world-size", "2",
-                            "--epochs", "1", "--output-dir", tmp_path / "run", *FAST,
-                            env={"MASTER_PORT": str(port)})  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert f"MASTER_PORT {port} is taken; using" in result.stdout
+def test_spawn_chooses_another_port_when_master_port_is_taken(spawn_run, taken_port):
+    result, out = spawn_run  # started with MASTER_PORT=taken_port
+    assert f"MASTER_PORT {taken_port} is taken; using" in result.stdout
+    assert (out / "checkpoint.pth").exists()
 
 
 def test_spawn_refuses_more_processes_than_visible_gpus(tiny_data, monkeypatch, capsys):

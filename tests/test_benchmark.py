@@ -6,7 +6,7 @@ from conftest import run_script
 from PIL import Image
 
 
-def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_files(tiny_data, tmp_path):
+def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_files(tiny_data, tmp_path, run_main):
     out = tmp_path / "bench"
     result = run_script(
         "benchmark.py",
@@ -21,8 +21,11 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
         assert 0 < row["peak_fraction"] < 1  # of the measured matrix-product peak of its precision
     baseline, single = benchmark["rows"][2:]
     assert baseline["precision"] == "float32, NCHW" and single["epoch_seconds"] > 0
-    # each training row is a real run of the script, with its own metrics
-    assert len((out / "runs" / "single" / "metrics.jsonl").read_text().splitlines()) == 2
+    # each training row is a real run of the script, with its own metrics; the baseline restarts its loader
+    # workers every epoch, as the original did (--no-persistent-workers)
+    for name in ("single", "baseline"):
+        assert len((out / "runs" / name / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "2 loader workers per process" in (out / "logs" / "baseline.log").read_text()
     # the machine the figures hold for: processor, cores, the instruction set torch computes with, the peaks
     settings = benchmark["settings"]
     assert "cores, torch kernels" in benchmark["machine"] and settings["matmul_peak_flops"]["float32"] > 1e9
@@ -31,5 +34,5 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     assert "of the model-only ceiling" in result.stdout and "x the original's setup" in result.stdout
     with Image.open(out / "benchmark.png") as png:
         assert png.format == "PNG" and png.width >= 600
-    rerun = run_script("benchmark.py", "--data-path", tiny_data, "--output-dir", out, "--skip-ddp")
+    rerun = run_main("benchmark.py", "--data-path", tiny_data, "--output-dir", out, "--skip-ddp")
     assert rerun.returncode == 2 and "already holds a benchmark" in rerun.stderr  # never overwrites

@@ -31,25 +31,36 @@ def model_with_varied_predictions(split):
     return model
 
 
-def _evaluate_shard(rank, world_size, data_path, result_path):
+def shard_confusion(rank, world_size, data_path) -> torch.Tensor:
+    """The confusion matrix evaluate() returns in process `rank` of `world_size`: summed over every rank."""
     split = read_split_data(data_path, val_rate=VAL_RATE, seed=0)
     args = argparse.Namespace(img_size=32, batch_size=4, seed=0, workers=0, local_world_size=world_size, device="cpu")
     _, val_loader, _ = build_loaders(args, split, world_size, rank)
     model = model_with_varied_predictions(split)
-    confusion = evaluate(model, val_loader, torch.device("cpu"), len(split.classes))
+    return evaluate(model, val_loader, torch.device("cpu"), len(split.classes))
+
+
+def _evaluate_shard(rank, world_size, data_path, result_path):
+    confusion = shard_confusion(rank, world_size, data_path)
     if rank == 0:
         torch.save(confusion, result_path)
 
 
+@pytest.fixture(scope="module")
+def single_process_confusion(tiny_data):
+    return shard_confusion(0, 1, tiny_data)  # a world of one: no process group, nothing to reduce
+
+
 @pytest.mark.guarantee
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_validation_counts_every_image_once_whatever_the_world_size(tiny_data, tmp_path, world_size):
+def test_validation_counts_every_image_once_whatever_the_world_size(
+    tiny_data, tmp_path, single_process_confusion, world_size
+):
     split = read_split_data(tiny_data, val_rate=VAL_RATE, seed=0)
     total = len(split.val_images)
     assert total % 2 and total % 3, f"pick a validation size neither 2 nor 3 divides, not {total}"
-    spawn_world(_evaluate_shard, 1, tiny_data, tmp_path / "single.pt")
     spawn_world(_evaluate_shard, world_size, tiny_data, tmp_path / "ddp.pt")
-    single, ddp = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "ddp.pt")
+    single, ddp = single_process_confusion, torch.load(tmp_path / "ddp.pt")
     assert int(single.sum()) == total  # nothing padded, nothing dropped
     assert (single.sum(dim=0) > 0).sum() >= 2, "the model should predict more than one class"
     assert torch.equal(ddp, single)  # same correct count, same per-class counts

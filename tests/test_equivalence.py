@@ -14,6 +14,7 @@ the two runs compute (statistics, learning rate, loss averaging) is orders of ma
 """
 
 import argparse
+from unittest import mock
 
 import pytest
 import torch
@@ -22,13 +23,14 @@ from torch import nn
 from torchvision.models import resnet34
 
 import training
+from model import create_model
 from multi_train_utils.distributed_utils import reduce_value
 from multi_train_utils.train_eval_utils import train_one_epoch
 from training import build_loaders, build_model, build_optimizer
 from utils import read_split_data
 
 B = 4  # images per rank per step
-SIZE = 64  # at 32 px layer4 is 1x1, and BatchNorm over 8 values makes the steps needlessly ill-conditioned
+SIZE = 32  # in float64 the steps agree to 4e-13 at 32 px too (1e-14 at 64), at a quarter of the work
 # --lr of the DDP run: world size 2 trains at 0.001 (the scripts' default scale), as one process with --lr 0.001
 # on the 2B images does. Much larger rates make a random network on random images diverge, and a diverging run
 # amplifies float rounding (1e-7) past any tolerance within a few steps.
@@ -59,24 +61,44 @@ def group_norm_resnet(num_classes):
     return resnet34(num_classes=num_classes, norm_layer=lambda channels: nn.GroupNorm(8, channels))
 
 
-def _train_steps(rank, world_size, steps, sync_bn, per_sample_norm, lr, result_path):
+# The networks compared, each trained the same few steps both ways: (SyncBN, per-image normalisation).
+VARIANTS = {"sync_bn": (True, False), "batch_norm": (False, False), "group_norm": (False, True)}
+STEPS = 3  # the state after the first step is kept too; by the third, momentum and weight decay take part
+
+
+def _train_variants(rank, world_size, lr, result_path):
+    """Every variant trained STEPS steps in this process of `world_size`, on its rows of the global batches."""
     torch.set_default_dtype(torch.float64)  # this spawned process only: weights, batches, optimizer state
-    if per_sample_norm:
-        training.create_model = group_norm_resnet  # this spawned process only
-    args = run_args(distributed=world_size > 1, sync_bn=sync_bn, lr=lr)
-    model, bare = build_model(args, 5, torch.device("cpu"))
-    initial = {name: tensor.clone() for name, tensor in bare.state_dict().items()}
-    optimizer, _ = build_optimizer(args, model)  # the rate the scripts use: --lr times the world size
     rows = slice(rank * 2 * B // world_size, (rank + 1) * 2 * B // world_size)
-    loss, images = train_one_epoch(model, optimizer, [(x[rows], y[rows]) for x, y in global_batches(steps)], "cpu", 0)
+    batches = [(x[rows], y[rows]) for x, y in global_batches(STEPS)]
+    results = {}
+    for name, (sync_bn, per_sample_norm) in VARIANTS.items():
+        args = run_args(distributed=world_size > 1, sync_bn=sync_bn, lr=lr)
+        with mock.patch.object(training, "create_model", group_norm_resnet if per_sample_norm else create_model):
+            model, bare = build_model(args, 5, torch.device("cpu"))
+        optimizer, _ = build_optimizer(args, model)  # the rate the scripts use: --lr times the world size
+        result = {"initial": snapshot(bare)}
+        result["loss_1"], _ = train_one_epoch(model, optimizer, batches[:1], "cpu", 0)
+        result["state_1"] = snapshot(bare)
+        result["loss"], result["images"] = train_one_epoch(model, optimizer, batches[1:], "cpu", 0)
+        result["state"] = snapshot(bare)
+        results[name] = result
     if rank == 0:
-        torch.save({"initial": initial, "state": bare.state_dict(), "loss": loss, "images": images}, result_path)
+        torch.save(results, result_path)
 
 
-def train_both_ways(tmp_path, steps=3, sync_bn=True, per_sample_norm=False):
-    spawn_world(_train_steps, 2, steps, sync_bn, per_sample_norm, LR, tmp_path / "ddp.pt")
-    spawn_world(_train_steps, 1, steps, sync_bn, per_sample_norm, 2 * LR, tmp_path / "single.pt")
-    return torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "single.pt")
+def snapshot(model) -> dict:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def both_ways(tmp_path_factory):
+    """Each variant's results from DDP on 2 x B images per step (--lr LR) and from one process on the 2B images
+    (--lr 2 LR): the rates the scripts use for the same global batch."""
+    folder = tmp_path_factory.mktemp("steps")
+    spawn_world(_train_variants, 2, LR, folder / "ddp.pt")
+    spawn_world(_train_variants, 1, 2 * LR, folder / "single.pt")
+    return torch.load(folder / "ddp.pt"), torch.load(folder / "single.pt")
 
 
 def max_difference(a: dict, b: dict, only=lambda name: True) -> float:
@@ -84,25 +106,26 @@ def max_difference(a: dict, b: dict, only=lambda name: True) -> float:
 
 
 @pytest.mark.guarantee
-@pytest.mark.parametrize("steps", [1, 3])  # 3: momentum and weight decay take part
-def test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch(tmp_path, steps):
-    ddp, single = train_both_ways(tmp_path, steps)
-    assert ddp["images"] == single["images"] == steps * 2 * B
+def test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch(both_ways):
+    ddp, single = (run["sync_bn"] for run in both_ways)
+    assert ddp["images"] == single["images"] == (STEPS - 1) * 2 * B
     assert ddp["state"]["conv1.weight"].dtype == torch.float64
-    assert max_difference(ddp["state"], single["state"]) <= TOLERANCE  # weights, and BatchNorm running statistics
-    assert abs(ddp["loss"] - single["loss"]) <= TOLERANCE  # the logged loss: the mean over every sample of every rank
+    for state, loss in (("state_1", "loss_1"), ("state", "loss")):  # after one step, and after three
+        assert max_difference(ddp[state], single[state]) <= TOLERANCE, state  # weights, BatchNorm running statistics
+        assert abs(ddp[loss] - single[loss]) <= TOLERANCE, loss  # the logged loss: the mean over every rank's samples
     assert max_difference(single["state"], single["initial"]) > 1e-3  # the steps did move the weights
 
 
 @pytest.mark.guarantee
-def test_without_sync_bn_ddp_differs_exactly_where_batch_statistics_enter(tmp_path):
-    ddp, single = train_both_ways(tmp_path, sync_bn=False)
+def test_without_sync_bn_ddp_differs_exactly_where_batch_statistics_enter(both_ways):
+    ddp, single = (run["batch_norm"] for run in both_ways)
     assert max_difference(ddp["state"], single["state"], only=lambda k: "running_mean" in k) > 1e-4
     assert max_difference(ddp["state"], single["state"], only=lambda k: k.endswith("weight")) > 1e-5
     # The same network with per-image normalisation needs no synchronisation to match: the difference above
     # comes from BatchNorm's per-rank statistics, nothing else.
-    ddp, single = train_both_ways(tmp_path, sync_bn=False, per_sample_norm=True)
+    ddp, single = (run["group_norm"] for run in both_ways)
     assert max_difference(ddp["state"], single["state"]) <= TOLERANCE
+    assert max_difference(single["state"], single["initial"]) > 1e-3
 
 
 def _reduce(rank, world_size, result_path):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import (
     FAST,
+    REFERENCE_FLAGS,
     ROOT,
     assert_user_error,
     fault_env,
@@ -63,10 +64,10 @@ def wait_for_checkpoint(path: Path, epoch: int, process: subprocess.Popen, timeo
 
 
 @pytest.mark.guarantee
-def test_a_run_killed_after_epoch_2_and_resumed_ends_bitwise_as_an_uninterrupted_run(tiny_data, tmp_path):
-    flags = ("--data-path", tiny_data, "--epochs", "4", *FAST)
-    assert run_script("train_single_gpu.py", *flags, "--output-dir", tmp_path / "straight").returncode == 0
-
+def test_a_run_killed_after_epoch_2_and_resumed_ends_bitwise_as_an_uninterrupted_run(
+    tiny_data, tmp_path, reference_run
+):
+    flags = ("--data-path", tiny_data, *REFERENCE_FLAGS)  # 4 epochs, as the uninterrupted reference run
     out = tmp_path / "killed"
     process = start("train_single_gpu.py", *flags, "--output-dir", out, env=fault_env("slow"))
     try:
@@ -79,12 +80,12 @@ def test_a_run_killed_after_epoch_2_and_resumed_ends_bitwise_as_an_uninterrupted
     assert resumed.returncode == 0, resumed.stderr
     assert "Resuming from" in resumed.stdout
 
-    expected_weights, weights = final_weights(tmp_path / "straight", epoch=3), final_weights(out, epoch=3)
+    expected_weights, weights = final_weights(reference_run, epoch=3), final_weights(out, epoch=3)
     assert all(torch.equal(expected_weights[k], weights[k]) for k in expected_weights)
-    assert metrics_without_timings(out) == metrics_without_timings(tmp_path / "straight")  # every epoch once
+    assert metrics_without_timings(out) == metrics_without_timings(reference_run)  # every epoch once
 
 
-def test_a_resume_that_would_change_the_recipe_is_refused_and_leaves_the_run_as_it_was(tiny_data, tmp_path):
+def test_a_resume_that_would_change_the_recipe_is_refused_and_leaves_the_run_as_it_was(tiny_data, tmp_path, run_main):
     out = tmp_path / "run"
     flags = ("--data-path", tiny_data, "--epochs", "2", *FAST)
     stopped = run_script("train_single_gpu.py", *flags, "--output-dir", out, env=fault_env("raise:0:1"))

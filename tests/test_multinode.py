@@ -11,11 +11,10 @@ import uuid
 
 import pytest
 import torch
-from conftest import FAST, final_weights, metrics_without_timings, run_script, script_command, torchrun
+from conftest import DDP_FLAGS, final_weights, metrics_without_timings, script_command
 
 from multi_train_utils.distributed_utils import find_free_port
 
-FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST)
 TIMEOUT = 240
 
 
@@ -31,7 +30,7 @@ def start_node(port: int, job_id: str, node_rank: int, data, out, log) -> subpro
     cores = sorted(os.sched_getaffinity(0))
     half = cores[: len(cores) // 2] if node_rank == 0 else cores[len(cores) // 2 :]
     command = script_command(
-        "train_multi_gpu_using_launch.py", "--data-path", data, "--output-dir", out, *FLAGS, launcher=launcher
+        "train_multi_gpu_using_launch.py", "--data-path", data, "--output-dir", out, *DDP_FLAGS, launcher=launcher
     )
     return subprocess.Popen(
         command,
@@ -73,16 +72,6 @@ def two_node_run(tiny_data, tmp_path_factory):
     return out, outputs
 
 
-@pytest.fixture(scope="module")
-def one_node_run(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one_node") / "run"
-    result = run_script(
-        "train_multi_gpu_using_launch.py", "--data-path", tiny_data, "--output-dir", out, *FLAGS, launcher=torchrun(2)
-    )
-    assert result.returncode == 0, result.stderr
-    return out
-
-
 def test_two_nodes_of_one_process_form_one_job_of_world_size_two(two_node_run):
     out, outputs = two_node_run
     metrics = metrics_without_timings(out)
@@ -94,8 +83,8 @@ def test_two_nodes_of_one_process_form_one_job_of_world_size_two(two_node_run):
 
 
 @pytest.mark.guarantee
-def test_two_nodes_train_exactly_like_two_processes_on_one_node(two_node_run, one_node_run):
-    two_nodes, one_node = final_weights(two_node_run[0]), final_weights(one_node_run)
+def test_two_nodes_train_exactly_like_two_processes_on_one_node(two_node_run, torchrun_run):
+    two_nodes, one_node = final_weights(two_node_run[0]), final_weights(torchrun_run[1])
     assert two_nodes.keys() == one_node.keys()
     assert all(torch.equal(two_nodes[k], one_node[k]) for k in two_nodes)
-    assert metrics_without_timings(two_node_run[0]) == metrics_without_timings(one_node_run)
+    assert metrics_without_timings(two_node_run[0]) == metrics_without_timings(torchrun_run[1])

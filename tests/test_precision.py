@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, ROOT, fault_env, run_script
+from conftest import ROOT, fault_env, run_script
 from torch import nn
 
 from multi_train_utils.train_eval_utils import Compute, evaluate, train_one_epoch
@@ -177,14 +177,6 @@ def test_a_float16_run_saves_its_gradient_scaler_and_resumes_with_it(tmp_path):
     result = run_script("train_single_gpu.py", *flags, "--auto-resume")
     assert result.returncode == 0, result.stderr
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] == 1
-
-
-def test_non_persistent_workers_still_train(tiny_data, tmp_path):
-    """--no-persistent-workers (the original's behaviour, the benchmark's baseline) restarts workers each epoch."""
-    flags = ("--data-path", tiny_data, "--output-dir", tmp_path / "run", *FAST, "--workers", "1")
-    result = run_script("train_single_gpu.py", *flags, "--epochs", "2", "--no-persistent-workers", "--amp", "off")
-    assert result.returncode == 0, result.stderr
-    assert "float32" in result.stdout and len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 def test_every_module_of_the_model_is_converted_to_channels_last():

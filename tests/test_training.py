@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, assert_user_error, final_weights, metrics_without_timings, run_script, torchrun
+from conftest import FAST, REFERENCE_FLAGS, assert_user_error, final_weights, metrics_without_timings, run_script
 from PIL import Image
 from torchvision.models import resnet34
 
@@ -58,8 +58,8 @@ def test_tensorboard_shows_predictions_each_epoch_and_the_runs_flags(trained_run
     assert best == pytest.approx(expected)  # TensorBoard stores float32
     start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     flags = plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams
-    assert flags["epochs"].number_value == 6 and flags["img_size"].number_value == 64
-    # switches as text (a bool would become the number 1); the layout as "auto" chose it (64 px: NCHW on the CPU)
+    assert flags["epochs"].number_value == 6 and flags["img_size"].number_value == 48
+    # switches as text (a bool would become the number 1); the layout as "auto" chose it (48 px: NCHW on the CPU)
     assert flags["amp"].string_value == "auto" and flags["channels_last"].string_value == "False"
 
 
@@ -75,35 +75,6 @@ def test_data_parallel_without_several_gpus_trains_a_plain_model(tiny_data, tmp_
 
 # float32: the validation check below evaluates the saved weights in this process, in float32, and must find the
 # very accuracy the run logged (under bf16 a near-tie may round either way). test_multinode covers DDP in bf16.
-DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", "--amp", "off", *FAST)
-
-
-@pytest.fixture(scope="module")
-def torchrun_run(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("torchrun") / "run"
-    result = run_script(
-        "train_multi_gpu_using_launch.py",
-        "--data-path",
-        tiny_data,
-        "--output-dir",
-        out,
-        *DDP_FLAGS,
-        launcher=torchrun(2),
-    )
-    assert result.returncode == 0, result.stderr
-    return result, out
-
-
-@pytest.fixture(scope="module")
-def spawn_run(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("spawn") / "run"
-    result = run_script(
-        "train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--output-dir", out, "--world-size", "2", *DDP_FLAGS
-    )
-    assert result.returncode == 0, result.stderr
-    return result, out
-
-
 def test_torchrun_with_two_processes_completes_two_epochs(torchrun_run):
     result, out = torchrun_run
     assert_run_outputs(out, epochs=2, world_size=2)
@@ -142,19 +113,20 @@ def test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_
 
 
 @pytest.mark.guarantee
-def test_the_same_seed_gives_bitwise_identical_weights_and_another_seed_does_not(tiny_data, tmp_path):
-    def train(seed, name, epochs=2):
-        out = tmp_path / name
-        flags = ("--epochs", epochs, "--seed", seed, "--img-size", "32", "--batch-size", "8", "--workers", "2")
-        result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", out, *flags)
+def test_the_same_seed_gives_bitwise_identical_weights_and_another_seed_does_not(tiny_data, tmp_path, reference_run):
+    def train(name, *flags):
+        result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", tmp_path / name, *flags)
         assert result.returncode == 0, result.stderr
-        return final_weights(out, epoch=epochs - 1), metrics_without_timings(out)
+        return tmp_path / name
 
-    (first, first_metrics), (again, again_metrics) = train(0, "a"), train(0, "b")
-    other, _ = train(1, "c", epochs=1)  # differs from the first epoch on
-    assert all(torch.equal(first[k], again[k]) for k in first)
-    assert first_metrics == again_metrics
-    assert not torch.equal(first["fc.weight"], other["fc.weight"])
+    again = train("again", *REFERENCE_FLAGS)  # the reference run's flags, seed 0 included
+    expected, weights = final_weights(reference_run, epoch=3), final_weights(again, epoch=3)
+    assert all(torch.equal(expected[k], weights[k]) for k in expected)
+    assert metrics_without_timings(again) == metrics_without_timings(reference_run)
+    other = train("other", *REFERENCE_FLAGS, "--seed", "1", "--epochs", "1")  # differs from the first epoch on
+    assert not torch.equal(
+        final_weights(reference_run, epoch=0)["fc.weight"], final_weights(other, epoch=0)["fc.weight"]
+    )
 
 
 def test_launch_script_started_without_a_launcher_trains_in_one_process(tiny_data, tmp_path):
@@ -181,16 +153,16 @@ def test_a_folder_of_grayscale_pngs_with_ten_classes_trains_unchanged(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["train_single_gpu.py", "train_multi_gpu_using_spawn.py"])
-def test_num_classes_disagreeing_with_the_folders_is_one_line_and_exit_2(tiny_data, tmp_path, script):
-    result = run_script(script, "--data-path", tiny_data, "--num-classes", "7", "--output-dir", tmp_path / "o", *FAST)
+def test_num_classes_disagreeing_with_the_folders_is_one_line_and_exit_2(tiny_data, tmp_path, run_main, script):
+    result = run_main(script, "--data-path", tiny_data, "--num-classes", "7", "--output-dir", tmp_path / "o", *FAST)
     assert_user_error(result, "--num-classes 7 but")
     assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize("script", ["train_single_gpu.py", "train_multi_gpu_using_spawn.py"])
-def test_asking_for_cuda_without_a_gpu_is_one_line_and_exit_2(tiny_data, tmp_path, script):
-    result = run_script(script, "--data-path", tiny_data, "--device", "cuda", "--output-dir", tmp_path / "o", *FAST)
+def test_asking_for_cuda_without_a_gpu_is_one_line_and_exit_2(tiny_data, tmp_path, run_main, script):
+    result = run_main(script, "--data-path", tiny_data, "--device", "cuda", "--output-dir", tmp_path / "o", *FAST)
     assert_user_error(result, "no CUDA GPU is visible")
 
 
@@ -203,19 +175,19 @@ def test_asking_for_cuda_without_a_gpu_is_one_line_and_exit_2(tiny_data, tmp_pat
         (["--lr", "fast"], "--lr: invalid"),
     ],
 )
-def test_out_of_range_numbers_are_one_line_and_exit_2(tiny_data, flags, fragment):
-    assert_user_error(run_script("train_single_gpu.py", "--data-path", tiny_data, *flags), fragment)
+def test_out_of_range_numbers_are_one_line_and_exit_2(tiny_data, run_main, flags, fragment):
+    assert_user_error(run_main("train_single_gpu.py", "--data-path", tiny_data, *flags), fragment)
 
 
 def test_no_data_path_is_one_line_and_exit_2(tmp_path):
     assert_user_error(run_script("train_single_gpu.py", cwd=tmp_path), "--data-path")
 
 
-def test_an_output_dir_holding_a_run_is_never_overwritten(tiny_data, tmp_path):
+def test_an_output_dir_holding_a_run_is_never_overwritten(tiny_data, tmp_path, run_main):
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text("precious\n")
-    result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", out, *FAST)
+    result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", out, *FAST)
     assert_user_error(result, "already holds a run")
     assert (out / "metrics.jsonl").read_text() == "precious\n"
 
@@ -237,10 +209,6 @@ def test_demo_settings_yield_to_flags_given_on_the_command_line():
     from training import DEMO_DEFAULTS, parse_args
 
     demo = parse_args("train_single_gpu", "", ["--demo"])
-    assert (demo.epochs, demo.img_size, demo.lr) == (
-        DEMO_DEFAULTS["epochs"],
-        DEMO_DEFAULTS["img_size"],
-        DEMO_DEFAULTS["lr"],
-    )
+    assert {name: getattr(demo, name) for name in DEMO_DEFAULTS} == DEMO_DEFAULTS
     assert parse_args("train_single_gpu", "", ["--demo", "--epochs", "3"]).epochs == 3
     assert parse_args("train_single_gpu", "", []).epochs == 30
