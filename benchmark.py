@@ -32,13 +32,17 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from compute import choose_compute
+from demo_data import make_demo_data
+from flags import DEFAULT_BATCH_SIZE, DEFAULT_IMG_SIZE
 from machine import describe_cpu
 from model import create_model
-from multi_train_utils.distributed_utils import init_single_process
+from multi_train_utils.distributed_utils import resolve_device
 from multi_train_utils.train_eval_utils import train_one_epoch
 from plot_results import plot_benchmark
-from training import build_model, build_optimizer, choose_compute, peak_memory
-from utils import Parser, UserError, entry_point, make_demo_data, number, write_json
+from run_log import peak_memory
+from training import build_model, build_optimizer
+from utils import Parser, UserError, entry_point, number, write_json
 
 ROOT = Path(__file__).resolve().parent
 FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
@@ -46,8 +50,10 @@ FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
 
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--img-size", type=number(int, 1), default=224, help="training crop size")
-    p.add_argument("--batch-size", type=number(int, 1), default=16, help="images per step in each process")
+    p.add_argument("--img-size", type=number(int, 1), default=DEFAULT_IMG_SIZE, help="training crop size")
+    p.add_argument(
+        "--batch-size", type=number(int, 1), default=DEFAULT_BATCH_SIZE, help="images per step in each process"
+    )
     p.add_argument(
         "--data-path",
         type=Path,
@@ -74,15 +80,11 @@ def parse_args(argv=None):
 def _model_only(queue, img_size, batch_size, amp, channels_last, device, steps):
     """In a fresh process: `steps` timed training steps on random tensors, after three untimed ones."""
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
-    args = argparse.Namespace(amp=amp, channels_last=channels_last, device=device, compile=False, data_parallel=False)
-    args.seed, args.weights, args.freeze_layers, args.lr, args.lrf, args.epochs = 0, None, False, 0.001, 0.1, 1
-    args.momentum, args.weight_decay = 0.9, 1e-4
-    init_single_process(args)
-    device = torch.device(args.device)
+    device = resolve_device(device)
     compute, summary = choose_compute(amp, channels_last, device, img_size)
-    args.channels_last = compute.channels_last
-    model, _ = build_model(args, 5, device)  # as the scripts build it, in one process
-    optimizer, _ = build_optimizer(args, model)
+    model, _ = build_model(5, device, compute)  # as the scripts build it, in one process
+    # The training scripts' optimizer at their default settings (the step's cost does not depend on them).
+    optimizer, _ = build_optimizer(model, lr=0.001, world_size=1, momentum=0.9, weight_decay=1e-4, epochs=1, lrf=0.1)
     scaler = compute.grad_scaler(device)
     generator = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, 3, img_size, img_size, generator=generator), torch.randint(0, 5, (batch_size,)))
@@ -225,6 +227,44 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def measure_peaks(compute, device: torch.device) -> dict:
+    """The matrix-product peak of float32 and of the precision measured, in FLOP/s, by name ("float32", ...)."""
+    peaks = {"float32": matmul_peak(torch.float32, device)}
+    if compute.amp_dtype is not None:
+        peaks[str(compute.amp_dtype).removeprefix("torch.")] = matmul_peak(compute.amp_dtype, device)
+    return peaks
+
+
+def measure_rows(args, compute, precision: str, nprocs: int, peaks: dict, flops: float) -> list[dict]:
+    """Every row of the table, each measured in fresh processes."""
+    layout = "channels_last" if compute.channels_last else "NCHW"
+    ours, fp32 = f"{precision}, {layout}", "float32, NCHW"
+    peak_ours = peaks[str(compute.amp_dtype or torch.float32).removeprefix("torch.")]
+    single = [str(ROOT / "train_single_gpu.py")]
+    ours_flags = ["--amp", args.amp, "--channels-last" if compute.channels_last else "--no-channels-last"]
+    original_workers = min(os.cpu_count() or 1, args.batch_size, 8)  # the original's num_workers
+    baseline = ["--amp", "off", "--no-channels-last", "--no-persistent-workers", "--workers", str(original_workers)]
+    rows = [
+        row("model only (the ceiling)", "model-only", 1, ours, model_only(args, args.amp, compute.channels_last),
+            peak_ours, flops),
+        row("model only, float32 NCHW", "model-only", 1, fp32, model_only(args, "off", False), peaks["float32"], flops),
+        row("baseline: the original's setup", "baseline", 1, fp32, run_script(args, "baseline", single, baseline),
+            peaks["float32"], flops),
+        row("train_single_gpu.py", "single", 1, ours, run_script(args, "single", single, ours_flags), peak_ours, flops),
+    ]  # fmt: skip
+    if not args.skip_ddp:
+        torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
+        launch = [*torchrun, str(ROOT / "train_multi_gpu_using_launch.py")]
+        spawn = [str(ROOT / "train_multi_gpu_using_spawn.py")]
+        rows += [
+            row(f"torchrun, {nprocs} processes", "torchrun", nprocs, ours,
+                run_script(args, "torchrun", launch, ours_flags), peak_ours, flops),
+            row(f"spawn, {nprocs} processes", "spawn", nprocs, ours,
+                run_script(args, "spawn", spawn, [*ours_flags, "--world-size", str(nprocs)]), peak_ours, flops),
+        ]  # fmt: skip
+    return rows
+
+
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
@@ -242,62 +282,26 @@ def main(argv=None):
     device = torch.device(args.device)
     compute, summary = choose_compute(args.amp, args.channels_last, device, args.img_size)
     precision = summary.split(" (")[0].removeprefix("Precision: ")  # e.g. "bfloat16 autocast"
-    layout = "channels_last" if compute.channels_last else "NCHW"
-    ours, fp32 = f"{precision}, {layout}", "float32, NCHW"
-    single = [str(ROOT / "train_single_gpu.py")]
-    ours_flags = ["--amp", args.amp, "--channels-last" if compute.channels_last else "--no-channels-last"]
-    original_workers = min(os.cpu_count() or 1, args.batch_size, 8)  # the original's num_workers
-    baseline = ["--amp", "off", "--no-channels-last", "--no-persistent-workers", "--workers", str(original_workers)]
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
-
     print(f"Benchmark: {args.img_size} px, batch {args.batch_size}, data {args.data_path}, output {args.output_dir}")
     print(f"Machine: {describe_machine(args.device)}; {summary}")
-    peaks = {"float32": matmul_peak(torch.float32, device)}
-    if compute.amp_dtype is not None:
-        peaks[str(compute.amp_dtype).removeprefix("torch.")] = matmul_peak(compute.amp_dtype, device)
-    peak_ours = peaks[str(compute.amp_dtype or torch.float32).removeprefix("torch.")]
-    flops = training_flops_per_image(args.img_size)
+    peaks, flops = measure_peaks(compute, device), training_flops_per_image(args.img_size)
     print(
         "Matrix-product peak: " + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
         + f"; a training step is {flops / 1e9:.2f} GFLOP per image"
     )  # fmt: skip
-
-    rows = [
-        row("model only (the ceiling)", "model-only", 1, ours, model_only(args, args.amp, compute.channels_last),
-            peak_ours, flops),
-        row("model only, float32 NCHW", "model-only", 1, fp32, model_only(args, "off", False), peaks["float32"], flops),
-        row("baseline: the original's setup", "baseline", 1, fp32, run_script(args, "baseline", single, baseline),
-            peaks["float32"], flops),
-        row("train_single_gpu.py", "single", 1, ours, run_script(args, "single", single, ours_flags), peak_ours, flops),
-    ]  # fmt: skip
-    if not args.skip_ddp:
-        launch = [*torchrun, str(ROOT / "train_multi_gpu_using_launch.py")]
-        spawn = [str(ROOT / "train_multi_gpu_using_spawn.py")]
-        rows += [
-            row(f"torchrun, {nprocs} processes", "torchrun", nprocs, ours,
-                run_script(args, "torchrun", launch, ours_flags), peak_ours, flops),
-            row(f"spawn, {nprocs} processes", "spawn", nprocs, ours,
-                run_script(args, "spawn", spawn, [*ours_flags, "--world-size", str(nprocs)]), peak_ours, flops),
-        ]  # fmt: skip
+    rows = measure_rows(args, compute, precision, nprocs, peaks, flops)
 
     benchmark = {
         "machine": describe_machine(args.device),
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "settings": {
-            "img_size": args.img_size,
-            "batch_size": args.batch_size,
-            "nprocs": nprocs,
-            "device": args.device,
-            "precision": precision,
-            "channels_last": compute.channels_last,
-            "matmul_peak_flops": peaks,
-            "training_flops_per_image": flops,
-            "data_path": str(args.data_path),
-            "epochs": args.epochs,
+            "img_size": args.img_size, "batch_size": args.batch_size, "nprocs": nprocs, "device": args.device,
+            "precision": precision, "channels_last": compute.channels_last, "matmul_peak_flops": peaks,
+            "training_flops_per_image": flops, "data_path": str(args.data_path), "epochs": args.epochs,
         },
         "rows": rows,
-    }
+    }  # fmt: skip
     write_json(args.output_dir / "benchmark.json", benchmark)
     plot_benchmark(benchmark, args.output_dir / "benchmark.png")
     print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")

@@ -5,9 +5,11 @@ one never runs code. It is written atomically (temporary file in the same folder
 writing leaves the previous checkpoint in place, never half a file.
 """
 
+from pathlib import Path
+
 import torch
 
-from utils import UserError, plain_args, safe_load, write_atomically
+from utils import UserError, safe_load, write_atomically
 
 CHECKPOINT_NAME = "checkpoint.pth"
 CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args", "rng"}
@@ -18,8 +20,9 @@ def save_atomically(obj, path) -> None:
     write_atomically(path, lambda f: torch.save(obj, f), binary=True)
 
 
-def training_state(epoch, model, optimizer, scheduler, scaler, best_acc, classes, world_size, args) -> dict:
-    """Everything needed to continue after `epoch`, as tensors and plain data."""
+def training_state(epoch, model, optimizer, scheduler, scaler, best_acc, classes, world_size, run: dict) -> dict:
+    """Everything needed to continue after `epoch`, as tensors and plain data; `run` is the run's record (its
+    flags and what was decided from them, as in args.json)."""
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -32,7 +35,7 @@ def training_state(epoch, model, optimizer, scheduler, scaler, best_acc, classes
         "best_acc": best_acc,
         "classes": list(classes),
         "world_size": world_size,
-        "args": plain_args(args),
+        "args": run,
         "rng": rng,
     }
 
@@ -45,7 +48,27 @@ def load_checkpoint(path) -> dict:
     return state
 
 
-def restore_rng(state: dict) -> None:
+def restore(state: dict, model, optimizer, scheduler, scaler) -> tuple[int, float]:
+    """Put a checkpoint's state back into the training objects and the random generators; returns (the first
+    epoch to train, the best validation accuracy so far)."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if state.get("scaler") is not None:
+        scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["epoch"] + 1, state["best_acc"]
+
+
+def save_epoch(output_dir: Path, epoch: int, weights: dict, improved: bool, state: dict) -> None:
+    """What an epoch leaves on disk: its weights (weights/model-N.pth), weights/best.pth when it improved on the
+    best validation accuracy, and the checkpoint, last, so that a checkpoint never claims an epoch whose outputs
+    are not all written. The weights are saved as CPU tensors, so that they load on a machine without a GPU
+    without a map_location."""
+    weights = {name: tensor.cpu() for name, tensor in weights.items()}
+    save_atomically(weights, output_dir / "weights" / f"model-{epoch}.pth")
+    if improved:
+        save_atomically(weights, output_dir / "weights" / "best.pth")
+    save_atomically(state, output_dir / CHECKPOINT_NAME)

@@ -13,21 +13,13 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from inference import DEFAULT_IMG_SIZE, add_model_arguments, image_loader, load_trained_model
+from flags import DEFAULT_IMG_SIZE
+from inference import add_model_arguments, image_loader, load_trained_model
 from multi_train_utils.distributed_utils import resolve_device
 from multi_train_utils.train_eval_utils import evaluate
+from my_dataset import read_split_data
 from plot_results import save_png
-from training import check_writable
-from utils import (
-    HelpFormatter,
-    Parser,
-    UserError,
-    describe,
-    entry_point,
-    number,
-    read_split_data,
-    write_json,
-)
+from utils import HelpFormatter, Parser, UserError, check_writable, describe, entry_point, number, write_json
 
 
 def per_class_scores(confusion: torch.Tensor) -> dict[str, list]:

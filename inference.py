@@ -14,15 +14,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from machine import available_cores
-from model import create_model, read_state_dict
-from multi_train_utils.train_eval_utils import Compute
-from my_dataset import MyDataSet, val_min_side, val_transform
-from training import choose_compute
-from utils import UserError, describe, number, positive_int, safe_load
-
-# Used where the run's own flags are not found (a weights file on its own): the training scripts' defaults.
-DEFAULT_IMG_SIZE, DEFAULT_BATCH_SIZE = 224, 16
+from compute import Compute, choose_compute
+from flags import DEFAULT_BATCH_SIZE, DEFAULT_IMG_SIZE
+from machine import core_budget
+from model import create_model, head_classes, load_weights, read_state_dict
+from my_dataset import MyDataSet, val_transform
+from utils import UserError, number, positive_int, safe_load
 
 
 @dataclass
@@ -102,23 +99,14 @@ def load_trained_model(weights: Path, class_indices: Path | None, device: torch.
     if not isinstance(run_args, dict):
         raise UserError(f"run flags file {args_file} does not hold the flags of a run (a JSON object)")
 
-    head = state_dict.get("fc.weight")
-    if head is not None and head.shape[0] != len(classes):
+    head = head_classes(state_dict)
+    if head is not None and head != len(classes):
         raise UserError(
-            f"weights file {weights} has a head for {head.shape[0]} classes, "
+            f"weights file {weights} has a head for {head} classes, "
             f"but {classes_from} names {len(classes)}: {', '.join(classes)}"
         )
     model = create_model(len(classes))
-    own = model.state_dict()
-    misfits = sorted(set(own) ^ set(state_dict)) + [
-        name for name in own if name in state_dict and state_dict[name].shape != own[name].shape
-    ]
-    if misfits:
-        raise UserError(
-            f"weights file {weights} does not fit ResNet-34: {len(misfits)} tensors missing, extra or of another "
-            f"shape ({describe(misfits, shown=3)})"
-        )
-    model.load_state_dict(state_dict)
+    load_weights(model, state_dict, strict=True)
     # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
     compute, _ = choose_compute(
         run_args.get("amp", "off"), run_args.get("channels_last", False), device, run_args.get("img_size", 224)
@@ -151,7 +139,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"images per forward pass (default: the run's, else {DEFAULT_BATCH_SIZE})",
     )
     parser.add_argument(
-        "--workers", type=number(int, 0), help="image loader processes (default: this machine's cores, at most 8)"
+        "--workers",
+        type=number(int, 0),
+        help="image loader processes (default: as for training, see machine.core_budget)",
     )
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
 
@@ -159,10 +149,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def image_loader(trained: TrainedModel, args, images: list, labels: list) -> DataLoader:
     """Batches of (images as the run validated them: resized and centre-cropped, labels), in the given order."""
     img_size = trained.setting("img_size", args.img_size, DEFAULT_IMG_SIZE)
-    workers = min(8, available_cores()) if args.workers is None else args.workers
+    batch_size = trained.setting("batch_size", args.batch_size, DEFAULT_BATCH_SIZE)
+    workers, threads = core_budget(trained.device, 1, batch_size, args.workers)  # as one training process has
+    if trained.device.type == "cpu":
+        torch.set_num_threads(threads)
     return DataLoader(
-        MyDataSet(images, labels, val_transform(img_size), val_min_side(img_size)),
-        batch_size=trained.setting("batch_size", args.batch_size, DEFAULT_BATCH_SIZE),
+        MyDataSet(images, labels, val_transform(img_size)),
+        batch_size=batch_size,
         num_workers=workers,
         pin_memory=trained.device.type == "cuda",
     )

@@ -18,6 +18,7 @@ from utils import UserError, safe_load
 
 # Prefixes that wrappers add to parameter names: DataParallel/DDP ("module.") and torch.compile ("_orig_mod.").
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+ARCHITECTURE = "ResNet-34"
 HEAD_PREFIX = "fc."  # the classifier, replaced when the number of classes differs
 
 IMAGENET = "imagenet"  # `--weights imagenet`: torchvision's ImageNet-1K weights for ResNet-34
@@ -52,7 +53,7 @@ def imagenet_weights_file(url: str = IMAGENET_WEIGHTS.url) -> Path:
     name; it writes to a temporary file beside the real one and renames it when complete (deleting it on
     failure), so a failed or interrupted download never leaves a file under the real name.
 
-    Call it before training starts (the scripts do, in training.prepare), so that a missing network is one
+    Call it before training starts (the scripts do, in flags.prepare), so that a missing network is one
     error line at start-up. Processes that ask at the same time (every torchrun rank runs prepare) take turns
     on a lock file beside the cache file: one downloads, the others then find the file.
 
@@ -124,40 +125,53 @@ def read_state_dict(path) -> dict:
     return strip_wrapper_prefixes(data)
 
 
-def load_weights(model: nn.Module, path) -> LoadReport:
-    """Load what fits from a weights file into `model`; tensors whose shape differs (a new head) are skipped."""
-    state_dict = read_state_dict(path)
+def load_weights(model: nn.Module, source, strict: bool = False) -> LoadReport:
+    """Load a weights file (or a state dict read from one) into `model`; returns what was loaded and skipped.
+
+    Lenient (for --weights, starting a run): tensors of another shape, normally a head for another number of
+    classes, are skipped and left as initialised; anything else that does not fit is refused. Strict (for a run's
+    own weights, in inference): every tensor must be there, with the model's shape.
+    """
+    state_dict = source if isinstance(source, dict) else read_state_dict(source)
     own = model.state_dict()
     report = LoadReport()
-    usable = {}
     for name, tensor in state_dict.items():
         if name not in own:
             report.unexpected.append(name)
         elif own[name].shape != tensor.shape:
             report.skipped_shape.append(name)
         else:
-            usable[name] = tensor
             report.loaded.append(name)
     report.missing = [name for name in own if name not in state_dict]
-    if not usable:
-        raise UserError(f"weights file {path} has no tensor that fits this model (is it for another architecture?)")
-    # Only the classifier head may differ (another class count); files older than torchvision 0.4.1 (such as
-    # resnet34-333f7ec4.pth) lack the num_batches_tracked counters. Anything else means another network.
-    misfits = [
-        name
-        for name in report.missing + report.skipped_shape
-        if not name.startswith(HEAD_PREFIX) and not name.endswith("num_batches_tracked")
-    ]
+    what = f"weights file {source}" if not isinstance(source, dict) else "the weights"
+    if strict:
+        misfits = report.missing + report.unexpected + report.skipped_shape
+    else:
+        if not report.loaded:
+            raise UserError(f"{what} has no tensor that fits this model (is it for another architecture?)")
+        # Only the classifier head may differ (another class count); files older than torchvision 0.4.1 (such as
+        # resnet34-333f7ec4.pth) lack the num_batches_tracked counters. Anything else means another network.
+        misfits = [
+            name
+            for name in report.missing + report.skipped_shape
+            if not name.startswith(HEAD_PREFIX) and not name.endswith("num_batches_tracked")
+        ]
     if misfits:
         raise UserError(
-            f"weights file {path} does not fit ResNet-34: {len(misfits)} tensors missing or of another shape "
-            f"({', '.join(misfits[:3])}, ...); is it for another architecture?"
+            f"{what} does not fit {ARCHITECTURE}: {len(misfits)} tensors missing, extra or of another shape "
+            f"({', '.join(misfits[:3])}{', ...' if len(misfits) > 3 else ''}); is it for another architecture?"
         )
-    model.load_state_dict(usable, strict=False)
+    model.load_state_dict({name: state_dict[name] for name in report.loaded}, strict=strict)
     return report
+
+
+def head_classes(state_dict: dict) -> int | None:
+    """The number of classes the weights' classifier head predicts, or None if they hold no head."""
+    head = state_dict.get(HEAD_PREFIX + "weight")
+    return None if head is None else head.shape[0]
 
 
 def freeze_all_but_head(model: nn.Module) -> None:
     """Train only the final fully connected layer (transfer learning from pretrained features)."""
     for name, parameter in model.named_parameters():
-        parameter.requires_grad_(name.startswith("fc."))
+        parameter.requires_grad_(name.startswith(HEAD_PREFIX))

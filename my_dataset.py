@@ -1,6 +1,15 @@
-"""The dataset over a list of image paths and labels, its transforms, and per-sample seeding of augmentation."""
+"""The data: a class-per-folder dataset split into training and validation lists, the dataset over those lists,
+its transform presets, and per-sample seeding of augmentation.
+
+A dataset here is a folder with one sub-folder per class (the layout of flower_photos):
+
+    flower_photos/daisy/1234.jpg, flower_photos/roses/5678.jpg, ...
+"""
 
 import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -8,50 +17,128 @@ from PIL import Image, ImageOps
 from torch.utils.data import Dataset, Sampler
 from torchvision.transforms import v2
 
+from utils import UserError, write_json
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# Validation resizes to img_size * 256/224 (256 for 224) and takes the centre img_size, as for ImageNet.
+RESIZE_RATIO = 256 / 224
 
 
-def train_transform(img_size: int):
+@dataclass
+class DataSplit:
+    train_images: list[str]
+    train_labels: list[int]
+    val_images: list[str]
+    val_labels: list[int]
+    classes: list[str]
+    unreadable: list[str] = field(default_factory=list)  # left out of both sets (with verify_images=True)
+
+
+def list_images(folder: Path) -> list[Path]:
+    """Image files directly inside `folder`, extension matched case-insensitively, sorted by name."""
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
+    )
+
+
+def image_problem(path) -> str | None:
+    """Why PIL cannot decode this file (truncated, not an image, ...), or None if it can."""
+    try:
+        with Image.open(path) as image:
+            image.draft("RGB", (32, 32))  # JPEGs decode at reduced scale: fast, and still reads every byte
+            image.load()
+    except Exception as error:  # PIL raises many types for bad files; each means "unusable image"
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None, verify_images=False) -> DataSplit:
+    """Split a class-per-folder dataset into training and validation lists.
+
+    Classes are the sorted sub-folder names. Each class is split on its own (so every class is in both sets),
+    from its sorted file list shuffled by a generator seeded with (seed, class name): the split is the same on
+    every rank, every run and every filesystem. With `verify_images`, every image is decoded once and those
+    that cannot be are left out (listed in .unreadable). With `output_dir`, class_indices.json is written there.
+    """
+    root = Path(root)
+    if not root.exists():
+        raise UserError(f"data path {root} does not exist")
+    if not root.is_dir():
+        raise UserError(f"data path {root} is a file, not a folder with one sub-folder per class")
+    if not 0.0 < val_rate < 1.0:
+        raise UserError(f"validation rate must be between 0 and 1, got {val_rate}")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise UserError(f"data path {root} has no class sub-folders (expected e.g. {root}/daisy/*.jpg)")
+
+    split = DataSplit([], [], [], [], classes)
+    for label, name in enumerate(classes):
+        images = list_images(root / name)
+        if verify_images:
+            bad = [path for path in images if image_problem(path) is not None]
+            split.unreadable += map(str, bad)
+            images = [path for path in images if path not in bad]
+        if not images:
+            raise UserError(f"class folder {root / name} holds no readable images ({' '.join(IMAGE_EXTENSIONS)})")
+        if len(images) < 2:
+            raise UserError(f"class folder {root / name} has {len(images)} image; at least 2 are needed to split it")
+        random.Random(f"{seed}:{name}").shuffle(images)
+        num_val = min(max(1, round(len(images) * val_rate)), len(images) - 1)
+        for i, path in enumerate(images):
+            images_out, labels_out = (
+                (split.val_images, split.val_labels) if i < num_val else (split.train_images, split.train_labels)
+            )
+            images_out.append(str(path))
+            labels_out.append(label)
+
+    if output_dir is not None:
+        write_class_indices(classes, output_dir)
+    return split
+
+
+def write_class_indices(classes: list[str], output_dir) -> None:
+    """class_indices.json: {"0": "daisy", "1": "dandelion", ...}, how predictions map back to names."""
+    write_json(Path(output_dir) / "class_indices.json", {str(i): name for i, name in enumerate(classes)})
+
+
+class Preset(v2.Compose):
+    """A transform, and the shortest image side it needs for its output to keep full resolution (`min_side`):
+    MyDataSet decodes large JPEGs at reduced scale down to that side, see load_rgb."""
+
+    def __init__(self, transforms: list, min_side: int):
+        super().__init__(transforms)
+        self.min_side = min_side
+
+
+def train_transform(img_size: int) -> Preset:
     """Random crop and flip, as for ImageNet training.
 
     The image becomes a uint8 tensor first: cropping, resizing and flipping 8-bit pixels is cheaper than on
     PIL images or floats (measured 1.33 against 1.63 ms an image at 224 px), and only the final crop is
     converted to float and normalised.
     """
-    return v2.Compose(
-        [
-            v2.ToImage(),
-            v2.RandomResizedCrop(img_size, antialias=True),
-            v2.RandomHorizontalFlip(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
+    crop = v2.RandomResizedCrop(img_size, antialias=True)
+    # The smallest crop RandomResizedCrop takes (its smallest area fraction, at its most elongated aspect) spans
+    # sqrt(scale * aspect) of the image's shorter side, and should still hold img_size pixels.
+    narrowest = min(crop.ratio[0], 1 / crop.ratio[1])
+    min_side = math.ceil(img_size / math.sqrt(crop.scale[0] * narrowest))
+    return Preset([v2.ToImage(), crop, v2.RandomHorizontalFlip(), *to_normalised_float()], min_side)
+
+
+def val_transform(img_size: int) -> Preset:
+    """Resize to img_size * RESIZE_RATIO and take the centre img_size, as for ImageNet validation."""
+    resize = round(img_size * RESIZE_RATIO)
+    return Preset(
+        [v2.ToImage(), v2.Resize(resize, antialias=True), v2.CenterCrop(img_size), *to_normalised_float()], resize
     )
 
 
-def val_transform(img_size: int):
-    """Resize to img_size*256/224 (256 for 224) and take the centre, as for ImageNet validation."""
-    return v2.Compose(
-        [
-            v2.ToImage(),
-            v2.Resize(round(img_size * 256 / 224), antialias=True),
-            v2.CenterCrop(img_size),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
-    )
-
-
-def train_min_side(img_size: int) -> int:
-    """The shortest image side that training at img_size needs: RandomResizedCrop's smallest crop (8 % of the
-    area, aspect 3:4) spans 0.245 of that side, and should still hold img_size pixels."""
-    return math.ceil(img_size / math.sqrt(0.08 * 3 / 4))
-
-
-def val_min_side(img_size: int) -> int:
-    """The shortest image side validation at img_size needs: it resizes that side to img_size*256/224."""
-    return round(img_size * 256 / 224)
+def to_normalised_float() -> list:
+    return [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
 
 
 def load_rgb(path, min_side: int | None = None) -> Image.Image:
@@ -79,33 +166,43 @@ def load_rgb(path, min_side: int | None = None) -> Image.Image:
 class MyDataSet(Dataset):
     """Images and their class labels; items are (image tensor, label).
 
-    An item may be asked for by index, or by (index, seed) as SeededBatchSampler does: then the random
-    augmentation of that sample is drawn from `seed` alone, so it does not depend on which loader worker (or
-    how many) loads it.
+    A transform that is a Preset also says how small a large JPEG may be decoded (see load_rgb).
     """
 
-    def __init__(self, images_path, images_class, transform=None, min_side: int | None = None):
+    def __init__(self, images_path, images_class, transform=None):
         if len(images_path) != len(images_class):
             raise ValueError(f"{len(images_path)} images but {len(images_class)} labels")
         self.images_path = list(images_path)
         self.images_class = list(images_class)
         self.transform = transform
-        self.min_side = min_side  # see load_rgb: large JPEGs are decoded at reduced scale down to this side
+        self.min_side = getattr(transform, "min_side", None)
 
     def __len__(self):
         return len(self.images_path)
 
-    def __getitem__(self, item):
-        index, seed = item if isinstance(item, tuple) else (item, None)
+    def __getitem__(self, index):
         image = load_rgb(self.images_path[index], self.min_side)
         if self.transform is not None:
-            if seed is None:
-                image = self.transform(image)
-            else:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed)
-                    image = self.transform(image)
+            image = self.transform(image)
         return image, self.images_class[index]
+
+
+class SeededSamples(Dataset):
+    """A dataset whose items are asked for as (index, seed), as SeededBatchSampler gives them: the random
+    augmentation of each is drawn from `seed` alone, so it does not depend on which loader worker (or how many)
+    loads it."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, item):
+        index, seed = item
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
 
 
 class SeededBatchSampler(Sampler):

@@ -4,7 +4,7 @@
     python plot_results.py runs/A runs/B --labels "one process" "torchrun, 2 processes" --output curves.png
     python plot_results.py benchmark.json
 
-A run folder is read through its metrics.jsonl (one line per epoch, written by training.py): the picture has
+A run folder is read through its metrics.jsonl (one line per epoch, written by run_log.py): the picture has
 three panels, training loss, validation accuracy and learning rate against the epoch, with several runs overlaid.
 A benchmark.json (or a folder holding one and no metrics.jsonl) gives a bar chart of training images per second.
 
@@ -154,7 +154,8 @@ def plot_benchmark(benchmark: dict, path=None) -> Figure:
         "channels_last" if settings.get("channels_last") else None,
         f"torch {benchmark['torch']}" if benchmark.get("torch") else None,
     ]
-    ax.set_title(", ".join(["Training throughput", *where]) + "\n" + ", ".join(filter(None, how)), fontsize=10)
+    title = textwrap.fill(", ".join(["Training throughput", *where]), 110) + "\n" + ", ".join(filter(None, how))
+    ax.set_title(title, fontsize=10)  # wrapped: a machine's description can be longer than the figure is wide
     if path is not None:
         save_png(fig, path)
     return fig
@@ -162,7 +163,7 @@ def plot_benchmark(benchmark: dict, path=None) -> Figure:
 
 def plot_predictions(images, true_labels: list[int], predicted: list[int], classes: list[str]) -> Figure:
     """A grid of images, each titled with its predicted class and, when wrong, its true one (green right, red
-    wrong): what training.py shows in TensorBoard each epoch. `images` are HxWx3 arrays of values in 0..1.
+    wrong): what run_log.py shows in TensorBoard each epoch. `images` are HxWx3 arrays of values in 0..1.
 
     One axes showing one grid image with a label above each picture: drawn every epoch, it must be cheap (0.12 s
     against 0.96 s for a 4x4 grid of subplots with constrained layout).

@@ -9,17 +9,8 @@ import torch
 
 from inference import add_model_arguments, image_loader, load_trained_model
 from multi_train_utils.distributed_utils import resolve_device
-from utils import (
-    IMAGE_EXTENSIONS,
-    HelpFormatter,
-    Parser,
-    UserError,
-    describe,
-    entry_point,
-    image_problem,
-    list_images,
-    positive_int,
-)
+from my_dataset import IMAGE_EXTENSIONS, image_problem, list_images
+from utils import HelpFormatter, Parser, UserError, describe, entry_point, positive_int
 
 
 def images_in(folder: Path) -> list[Path]:

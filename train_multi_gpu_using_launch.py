@@ -8,8 +8,9 @@ each one its RANK, WORLD_SIZE and LOCAL_RANK in environment variables; this scri
 group. Started with plain `python`, it trains in one process.
 """
 
+from flags import parse_args, prepare
 from multi_train_utils.distributed_utils import cleanup, init_distributed_mode, launcher_environment
-from training import parse_args, prepare, train
+from training import train
 from utils import entry_point
 
 
@@ -19,10 +20,10 @@ def main(argv=None):
     launched = launcher_environment()
     if launched is None:
         print("Not started by torchrun or SLURM: training in one process (see --help for the torchrun command).")
-    split = prepare(args, world_size=launched["world_size"] if launched else 1)
-    init_distributed_mode(args)
+    plan = prepare(args, world_size=launched["world_size"] if launched else 1)
+    process = init_distributed_mode(args.device, args.dist_backend, args.dist_url, args.dist_timeout)
     try:
-        train(args, split)
+        train(args, plan, process)
     finally:
         cleanup()
 

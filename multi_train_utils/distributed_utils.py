@@ -1,11 +1,11 @@
-"""Distributed helpers: joining the process group, rank and world-size queries, reductions, free ports.
+"""Distributed helpers: joining the process group, this process's place in it, rank queries and reductions.
 
 Every function works in a single process too (rank 0 of a world of 1), so the shared training code calls them
 without asking which launch mode it runs under.
 """
 
 import os
-import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -54,43 +54,62 @@ def launcher_environment() -> dict | None:
     return None
 
 
-def init_distributed_mode(args, rank=None, world_size=None) -> None:
-    """Join the process group and pick this process's device.
+@dataclass(frozen=True)
+class Process:
+    """This process's place in the job: its rank among world_size processes, its rank and count on this machine,
+    the device it computes on, and whether it is in a process group (a world of one need not be)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    distributed: bool = False
+
+
+def single_process(device: str | None = None) -> Process:
+    """Rank 0 of a world of one, no process group, on `device` (default: a GPU when there is one, else the CPU)."""
+    return Process(device=resolve_device(device))
+
+
+def init_distributed_mode(
+    device: str | None = None,
+    backend: str | None = None,
+    dist_url: str = "env://",
+    timeout_s: int = 1800,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> Process:
+    """Join the process group, on this process's device; returns where this process stands.
 
     torchrun and SLURM describe the process in environment variables; spawn passes `rank` and `world_size`
-    (with MASTER_ADDR/MASTER_PORT in the environment). Sets args.rank, args.world_size, args.local_rank,
-    args.local_world_size, args.distributed and args.device. Without any of these: one process, not distributed.
+    (with MASTER_ADDR/MASTER_PORT in the environment). Without either: one process, no group. The backend is
+    nccl on GPUs and gloo on the CPU unless `backend` says otherwise.
     """
     if rank is not None:
         found = {"rank": rank, "world_size": world_size, "local_rank": rank, "local_world_size": world_size}
     else:
         found = launcher_environment()
     if found is None:
-        init_single_process(args)
-        return
-    args.rank, args.world_size = found["rank"], found["world_size"]
-    args.local_rank, args.local_world_size = found["local_rank"], found["local_world_size"]
-    args.distributed = True
-
-    device = resolve_device(args.device, local_rank=args.local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    args.device = str(device)
-    backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = timedelta(seconds=args.dist_timeout)
-    store = restart_safe_store(args, timeout)
+        return single_process(device)
+    process = Process(**found, device=resolve_device(device, local_rank=found["local_rank"]), distributed=True)
+    if process.device.type == "cuda":
+        torch.cuda.set_device(process.device)
+    timeout = timedelta(seconds=timeout_s)
+    store = restart_safe_store(dist_url, process, timeout)
     dist.init_process_group(
-        backend=backend,
-        init_method=None if store else args.dist_url,
+        backend=backend or ("nccl" if process.device.type == "cuda" else "gloo"),
+        init_method=None if store else dist_url,
         store=store,
-        world_size=args.world_size,
-        rank=args.rank,
+        world_size=process.world_size,
+        rank=process.rank,
         timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
+        device_id=process.device if process.device.type == "cuda" else None,
     )
+    return process
 
 
-def restart_safe_store(args, timeout: timedelta):
+def restart_safe_store(dist_url: str, process: Process, timeout: timedelta):
     """Under torchrun, the key-value store where the processes meet, with a namespace for each restart.
 
     torchrun keeps one store for all restarts of a job; without a namespace of their own, restarted processes
@@ -98,24 +117,17 @@ def restart_safe_store(args, timeout: timedelta):
     with torch 2.14: about half of the restarts hung). None elsewhere: init_process_group builds its own.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or args.dist_url != "env://":
+    if attempt is None or dist_url != "env://":
         return None
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
-        args.world_size,
-        is_master=args.rank == 0 and not agent_hosts_store,
+        process.world_size,
+        is_master=process.rank == 0 and not agent_hosts_store,
         timeout=timeout,
     )
     return dist.PrefixStore(f"attempt-{attempt}", store)
-
-
-def init_single_process(args) -> None:
-    """Rank 0 of a world of one, no process group: the same fields init_distributed_mode sets."""
-    args.rank, args.world_size, args.local_rank, args.local_world_size = 0, 1, 0, 1
-    args.distributed = False
-    args.device = str(resolve_device(args.device))
 
 
 def resolve_device(name: str | None, local_rank: int | None = None) -> torch.device:
@@ -175,19 +187,3 @@ def broadcast_object(obj):
 def barrier() -> None:
     if is_dist_avail_and_initialized():
         dist.barrier()
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def find_free_port() -> int:
-    """A TCP port on this machine that nothing listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

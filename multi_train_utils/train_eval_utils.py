@@ -1,12 +1,12 @@
 """One training epoch and one evaluation pass, the same for one process and for DDP."""
 
 import sys
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from compute import Compute
 from multi_train_utils.distributed_utils import is_main_process, reduce_value
 from utils import UserError
 
@@ -14,36 +14,6 @@ from utils import UserError
 class NonFiniteLossError(UserError):
     """The loss became NaN or infinite (usually too high a learning rate, or bad data); raised on every rank at
     the same step, so no rank is left waiting, and before the step, so the weights stay finite."""
-
-
-@dataclass(frozen=True)
-class Compute:
-    """How the model computes: the autocast precision (None: float32 throughout) and the memory layout.
-
-    Under autocast, convolutions and matrix products run in `amp_dtype` (bfloat16 or float16) while weights,
-    gradients and the optimizer stay float32. channels_last stores images as NHWC, the layout the CPU's oneDNN
-    and the GPU's tensor cores convolve fastest in; the model's weights must be converted too (build_model does).
-    """
-
-    amp_dtype: torch.dtype | None = None
-    channels_last: bool = False
-
-    @property
-    def memory_format(self) -> torch.memory_format:
-        """For the images of each batch and for the model's weights (`model.to(memory_format=...)`)."""
-        return torch.channels_last if self.channels_last else torch.contiguous_format
-
-    def autocast(self, device: torch.device):
-        return torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
-
-    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
-        """The gradient scaler for train_one_epoch: active for float16 only, a pass-through otherwise."""
-        return torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
-
-    def batch_to(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # non_blocking only pays on CUDA, from the pinned memory the loader fills there.
-        device = torch.device(device)
-        return images.to(device, non_blocking=device.type == "cuda", memory_format=self.memory_format)
 
 
 def train_one_epoch(

@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from utils import make_demo_data  # noqa: E402
+from demo_data import make_demo_data  # noqa: E402
 
 # Settings that make a training run take seconds: tiny images, small batches.
 FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0"]

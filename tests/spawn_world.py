@@ -11,7 +11,7 @@ import os
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from multi_train_utils.distributed_utils import find_free_port
+from multi_train_utils.spawn_utils import find_free_port
 
 
 def _join_and_run(rank, world_size, port, fn, args):

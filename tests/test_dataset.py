@@ -8,11 +8,10 @@ from PIL import Image
 from my_dataset import (
     MyDataSet,
     SeededBatchSampler,
+    SeededSamples,
     load_rgb,
     sample_seed,
-    train_min_side,
     train_transform,
-    val_min_side,
     val_transform,
 )
 
@@ -54,7 +53,7 @@ def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
 
 def test_augmentation_is_a_function_of_the_sample_seed(tmp_path):
     path = save(tmp_path / "image", "RGB")
-    dataset = MyDataSet([path], [0], train_transform(24))
+    dataset = SeededSamples(MyDataSet([path], [0], train_transform(24)))
     first, _ = dataset[(0, 1234)]
     torch.manual_seed(99)  # the global generator must not matter
     again, _ = dataset[(0, 1234)]
@@ -89,12 +88,15 @@ def test_a_large_jpeg_is_decoded_at_reduced_scale_to_nearly_the_same_tensor(tmp_
     smooth = Image.fromarray(np.random.default_rng(0).integers(0, 255, (15, 20, 3), dtype=np.uint8))
     smooth.resize((1600, 1200), Image.BICUBIC).save(path, quality=90)  # a photo-like image: no pixel noise
 
-    assert load_rgb(path, min_side=val_min_side(64)).size == (200, 150)  # 1/8 scale: short side 150 >= 73
-    assert load_rgb(path, min_side=train_min_side(64)).size == (400, 300)  # 1/4: 300 >= 262
+    # The transforms say how small an image they can take: validation resizes to 73, training crops as little as
+    # 8 % of the area at aspect 3:4, 0.245 of the short side, so needs 262.
+    assert (val_transform(64).min_side, train_transform(64).min_side) == (73, 262)
+    assert load_rgb(path, min_side=val_transform(64).min_side).size == (200, 150)  # 1/8 scale: short side 150 >= 73
+    assert load_rgb(path, min_side=train_transform(64).min_side).size == (400, 300)  # 1/4: 300 >= 262
     assert load_rgb(path, min_side=2000).size == (1600, 1200)  # never smaller than asked
     transform = val_transform(64)
-    full, reduced = transform(load_rgb(path)), transform(load_rgb(path, min_side=val_min_side(64)))
+    full, reduced = transform(load_rgb(path)), transform(load_rgb(path, min_side=transform.min_side))
     assert (full - reduced).abs().mean() < 0.02  # normalised units: about half a grey level
     png = tmp_path / "photo.png"
     Image.open(path).save(png)
-    assert load_rgb(png, min_side=val_min_side(64)).size == (1600, 1200)  # only JPEG decodes at reduced scale
+    assert load_rgb(png, min_side=transform.min_side).size == (1600, 1200)  # only JPEG decodes at reduced scale

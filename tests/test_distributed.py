@@ -1,7 +1,5 @@
 """Distributed semantics checked inside gloo process groups on the CPU."""
 
-import argparse
-
 import pytest
 import torch
 from spawn_world import spawn_world
@@ -10,9 +8,8 @@ from torch import nn
 from model import create_model
 from multi_train_utils.sync_batchnorm import CPUSyncBatchNorm
 from multi_train_utils.train_eval_utils import evaluate
-from my_dataset import MyDataSet, val_transform
+from my_dataset import MyDataSet, read_split_data, val_transform
 from training import build_loaders
-from utils import read_split_data
 
 VAL_RATE = 7 / 12  # tiny_data has 12 images per class: 7 of each validate, 35 in all, which neither 2 nor 3 divides
 
@@ -34,8 +31,7 @@ def model_with_varied_predictions(split):
 def shard_confusion(rank, world_size, data_path) -> torch.Tensor:
     """The confusion matrix evaluate() returns in process `rank` of `world_size`: summed over every rank."""
     split = read_split_data(data_path, val_rate=VAL_RATE, seed=0)
-    args = argparse.Namespace(img_size=32, batch_size=4, seed=0, workers=0, local_world_size=world_size, device="cpu")
-    _, val_loader, _ = build_loaders(args, split, world_size, rank)
+    _, val_loader = build_loaders(split, img_size=32, batch_size=4, seed=0, world_size=world_size, rank=rank)
     model = model_with_varied_predictions(split)
     return evaluate(model, val_loader, torch.device("cpu"), len(split.classes))
 

@@ -13,7 +13,6 @@ float32 sums independent of how a batch is split. In float64 rounding is 1e-16, 
 the two runs compute (statistics, learning rate, loss averaging) is orders of magnitude larger.
 """
 
-import argparse
 from unittest import mock
 
 import pytest
@@ -26,8 +25,8 @@ import training
 from model import create_model
 from multi_train_utils.distributed_utils import reduce_value
 from multi_train_utils.train_eval_utils import train_one_epoch
+from my_dataset import read_split_data
 from training import build_loaders, build_model, build_optimizer
-from utils import read_split_data
 
 B = 4  # images per rank per step
 SIZE = 32  # in float64 the steps agree to 4e-13 at 32 px too (1e-14 at 64), at a quarter of the work
@@ -38,13 +37,8 @@ LR = 0.0005
 TOLERANCE = 1e-10  # float64 rounding is about 1e-14 here; a semantic difference is 1e-4 or more
 
 
-def run_args(**overrides):
-    values = dict(
-        seed=0, weights=None, freeze_layers=False, distributed=False, sync_bn=True, momentum=0.9,
-        weight_decay=1e-4, epochs=10, lrf=0.1, img_size=32, batch_size=B, workers=0, local_world_size=1,
-        device="cpu", channels_last=False, compile=False, persistent_workers=True, data_parallel=False,
-    )  # fmt: skip
-    return argparse.Namespace(**{**values, **overrides})
+# The scripts' recipe apart from the rate: SGD with momentum and weight decay, the cosine schedule.
+RECIPE = dict(momentum=0.9, weight_decay=1e-4, epochs=10, lrf=0.1)
 
 
 def global_batches(steps):
@@ -73,10 +67,10 @@ def _train_variants(rank, world_size, lr, result_path):
     batches = [(x[rows], y[rows]) for x, y in global_batches(STEPS)]
     results = {}
     for name, (sync_bn, per_sample_norm) in VARIANTS.items():
-        args = run_args(distributed=world_size > 1, sync_bn=sync_bn, lr=lr)
         with mock.patch.object(training, "create_model", group_norm_resnet if per_sample_norm else create_model):
-            model, bare = build_model(args, 5, torch.device("cpu"))
-        optimizer, _ = build_optimizer(args, model)  # the rate the scripts use: --lr times the world size
+            model, bare = build_model(5, torch.device("cpu"), sync_bn=sync_bn, distributed=world_size > 1)
+        # the rate the scripts use: --lr times the world size
+        optimizer, _ = build_optimizer(model, lr=lr, world_size=world_size, **RECIPE)
         result = {"initial": snapshot(bare)}
         result["loss_1"], _ = train_one_epoch(model, optimizer, batches[:1], "cpu", 0)
         result["state_1"] = snapshot(bare)
@@ -147,12 +141,13 @@ def test_reduce_value_averages_or_sums_over_ranks_and_leaves_its_input_alone(tmp
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(tiny_data, world_size, batch_size):
     split = read_split_data(tiny_data, seed=0)  # 50 training images
-    args = run_args(batch_size=batch_size, local_world_size=world_size)
 
     def epoch_indices(epoch):
         shards = []
         for rank in range(world_size):
-            loader = build_loaders(args, split, world_size, rank)[0]
+            loader = build_loaders(split, img_size=32, batch_size=batch_size, seed=0, world_size=world_size, rank=rank)[
+                0
+            ]
             loader.batch_sampler.set_epoch(epoch)
             shards.append([index for batch in loader.batch_sampler for index, _seed in batch])
         return shards
@@ -161,7 +156,7 @@ def test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(ti
     used = [i for shard in shards for i in shard]
     assert len(used) == len(set(used))  # disjoint, and no image repeated to pad a shard
     assert len({len(s) for s in shards}) == 1  # every rank takes the same number of steps
-    assert len(split.train_images) - len(used) < world_size * args.batch_size  # only the documented remainder
+    assert len(split.train_images) - len(used) < world_size * batch_size  # only the documented remainder
     assert epoch_indices(0) == shards  # the same epoch gives the same shards...
     assert epoch_indices(1) != shards  # ...and the next epoch a new shuffle
 
@@ -171,7 +166,7 @@ def test_augmented_tensors_do_not_depend_on_the_number_of_loader_workers(tiny_da
     split = read_split_data(tiny_data, seed=0)
 
     def epoch_tensors(workers, epoch):
-        loader = build_loaders(run_args(workers=workers), split, 1, 0)[0]
+        loader = build_loaders(split, img_size=32, batch_size=B, seed=0, workers=workers)[0]
         loader.batch_sampler.set_epoch(epoch)
         return torch.cat([images for images, _ in loader])
 

@@ -9,7 +9,8 @@ from conftest import assert_user_error, run_script
 from PIL import Image
 
 import evaluate
-from utils import UserError, list_images
+from my_dataset import list_images
+from utils import UserError
 
 
 @pytest.fixture(scope="module")

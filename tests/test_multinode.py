@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import DDP_FLAGS, final_weights, metrics_without_timings, script_command
 
-from multi_train_utils.distributed_utils import find_free_port
+from multi_train_utils.spawn_utils import find_free_port
 
 TIMEOUT = 240
 
@@ -24,7 +24,7 @@ def start_node(port: int, job_id: str, node_rank: int, data, out, log) -> subpro
         "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}", "--nproc_per_node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job_id}",
     )  # fmt: skip
-    # In the one-machine run each of the two processes takes half the cores (training.py shares them out among a
+    # In the one-machine run each of the two processes takes half the cores (machine.core_budget shares them out among a
     # machine's processes); each "node" here would think it has the machine to itself, so it is pinned to its half:
     # as on two real machines, it sees only its own cores, and both runs compute with the same number of threads.
     cores = sorted(os.sched_getaffinity(0))

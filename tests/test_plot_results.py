@@ -11,7 +11,7 @@ from plot_results import main, plot_benchmark, plot_curves, plot_predictions, re
 
 
 def write_run(folder, world_size: int, epochs: int = 4):
-    """A run folder with a metrics.jsonl as training.py writes it (the fields the plots read, and some they do not)."""
+    """A run folder with a metrics.jsonl as run_log.py writes it (the fields the plots read, and some they do not)."""
     folder.mkdir(parents=True)
     lines = [
         {"epoch": e, "train_loss": 2.0 / (e + 1), "val_acc": 0.2 + 0.15 * e, "lr": 0.01 * world_size / (e + 1),

@@ -1,6 +1,5 @@
 """The speed options change how the model computes, not what it learns: mixed precision, channels_last, compile."""
 
-import argparse
 import os
 import subprocess
 import sys
@@ -10,19 +9,12 @@ import torch
 from conftest import ROOT, fault_env, run_script
 from torch import nn
 
-from multi_train_utils.train_eval_utils import Compute, evaluate, train_one_epoch
-from training import build_model, choose_compute
-from utils import make_demo_data
+from compute import Compute, choose_compute
+from demo_data import make_demo_data
+from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+from training import build_model
 
 CPU = torch.device("cpu")
-
-
-def model_args(**overrides):
-    values = dict(
-        seed=0, weights=None, freeze_layers=False, distributed=False, channels_last=False, compile=False,
-        data_parallel=False, amp="off", lr=0.01, momentum=0.9, weight_decay=0.0, epochs=1, lrf=1.0,
-    )  # fmt: skip
-    return argparse.Namespace(**{**values, **overrides})
 
 
 def fixed_batches(steps, size=32, batch=4):
@@ -33,7 +25,7 @@ def fixed_batches(steps, size=32, batch=4):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mixed_precision_steps_learn_a_fixed_batch(dtype):
-    model, _ = build_model(model_args(channels_last=True), 5, CPU)
+    model, _ = build_model(5, CPU, Compute(channels_last=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     # The scale starts at 2**10, not the default 2**16, which spends the first steps halving itself on overflows.
     scaler = torch.amp.GradScaler("cpu", init_scale=2**10, enabled=dtype == torch.float16)
@@ -50,8 +42,8 @@ def test_mixed_precision_steps_learn_a_fixed_batch(dtype):
 def test_channels_last_computes_what_nchw_computes():
     torch.manual_seed(0)
     images = torch.randn(4, 3, 64, 64)
-    nchw = build_model(model_args(), 5, CPU)[0].eval()
-    nhwc = build_model(model_args(channels_last=True), 5, CPU)[0].eval()
+    nchw = build_model(5, CPU)[0].eval()
+    nhwc = build_model(5, CPU, Compute(channels_last=True))[0].eval()
     assert nhwc.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     assert not nchw.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
@@ -62,7 +54,7 @@ def test_channels_last_computes_what_nchw_computes():
 
 def test_bfloat16_evaluation_agrees_with_float32_on_nearly_every_image():
     torch.manual_seed(0)
-    model = build_model(model_args(), 5, CPU)[0]
+    model = build_model(5, CPU)[0]
     batches = fixed_batches(1, batch=32)
     # A network that has seen some data, so that its predictions are not all near-ties.
     train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.01), fixed_batches(3, batch=32), CPU, 0)
@@ -73,7 +65,7 @@ def test_bfloat16_evaluation_agrees_with_float32_on_nearly_every_image():
 
 
 def test_compile_wraps_the_model_and_saves_plain_names():
-    model, plain = build_model(model_args(compile=True), 5, CPU)  # compiles lazily: nothing is compiled here
+    model, plain = build_model(5, CPU, compile=True)  # compiles lazily: nothing is compiled here
     assert hasattr(model, "_orig_mod") and model._orig_mod is plain
     assert not any(name.startswith(("_orig_mod.", "module.")) for name in plain.state_dict())
 
@@ -139,7 +131,7 @@ def test_amp_auto_honours_the_caps_that_make_torch_compute_like_an_avx2_cpu(
 
 
 def test_under_the_avx2_caps_a_run_trains_in_float32_on_any_cpu():
-    code = "import torch, training; print(training.choose_compute('auto', None, torch.device('cpu'), 224)[1])"
+    code = "import torch, compute; print(compute.choose_compute('auto', None, torch.device('cpu'), 224)[1])"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -180,6 +172,6 @@ def test_a_float16_run_saves_its_gradient_scaler_and_resumes_with_it(tmp_path):
 
 
 def test_every_module_of_the_model_is_converted_to_channels_last():
-    model = build_model(model_args(channels_last=True), 5, CPU)[0]
+    model = build_model(5, CPU, Compute(channels_last=True))[0]
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
     assert convs and all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs)

@@ -10,10 +10,10 @@ from torch.utils.data import DataLoader
 from torchvision.models import resnet34
 
 import predict
+from compute import choose_compute
 from model import create_model
-from my_dataset import MyDataSet, val_transform
-from training import choose_compute
-from utils import UserError, read_split_data
+from my_dataset import MyDataSet, read_split_data, val_transform
+from utils import UserError
 
 
 def parse_predictions(stdout: str) -> dict[str, list[tuple[str, float]]]:

@@ -13,23 +13,21 @@ import time
 import pytest
 from conftest import FAST, ROOT, script_command
 
-from multi_train_utils.distributed_utils import find_free_port
+from multi_train_utils.spawn_utils import find_free_port
 
 SBATCH = ROOT / "examples" / "slurm_train.sbatch"
 TIMEOUT = 120
 
 # A process as srun would start it: init_distributed_mode on the flags the launch script has, then an all-reduce.
 JOIN_AND_SUM = """
-import argparse
 import torch
 import torch.distributed as dist
 from multi_train_utils.distributed_utils import cleanup, init_distributed_mode
 
-args = argparse.Namespace(device="cpu", dist_url="env://", dist_backend=None, dist_timeout=60)
-init_distributed_mode(args)
-total = torch.tensor([args.rank + 1])
+process = init_distributed_mode("cpu", timeout_s=60)
+total = torch.tensor([process.rank + 1])
 dist.all_reduce(total)
-print(args.rank, args.world_size, args.local_rank, args.local_world_size, dist.get_backend(), int(total))
+print(process.rank, process.world_size, process.local_rank, process.local_world_size, dist.get_backend(), int(total))
 cleanup()
 """
 

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from utils import UserError, read_split_data
+from my_dataset import read_split_data
+from utils import UserError
 
 
 def make_folder(root, counts: dict, suffix=".jpg", order_seed=None):

@@ -1,6 +1,5 @@
 """The three scripts end to end, run as a user runs them: what they print, exit with and write."""
 
-import argparse
 import json
 
 import pytest
@@ -98,14 +97,14 @@ def test_torchrun_and_spawn_train_identically(torchrun_run, spawn_run):
 @pytest.mark.guarantee
 def test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights(tiny_data, torchrun_run):
     from multi_train_utils.train_eval_utils import evaluate
+    from my_dataset import read_split_data
     from training import build_loaders
-    from utils import read_split_data
 
     split = read_split_data(tiny_data, seed=3)
-    args = argparse.Namespace(img_size=32, batch_size=4, seed=3, workers=0, local_world_size=1, device="cpu")
     model = resnet34(num_classes=5)
     model.load_state_dict(final_weights(torchrun_run[1]))
-    confusion = evaluate(model, build_loaders(args, split, 1, 0)[1], torch.device("cpu"), 5)
+    val_loader = build_loaders(split, img_size=32, batch_size=4, seed=3)[1]
+    confusion = evaluate(model, val_loader, torch.device("cpu"), 5)
     logged = json.loads((torchrun_run[1] / "metrics.jsonl").read_text().splitlines()[-1])
     assert logged["val_total"] == len(split.val_images) == int(confusion.sum())
     assert logged["val_correct"] == int(confusion.trace())
@@ -197,7 +196,7 @@ def test_boolean_flags_are_real_booleans(tiny_data, tmp_path):
     result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--freeze-layers", "False", *FAST)
     assert_user_error(result, "unrecognized arguments: False")
     # ...and --no-freeze-layers / --freeze-layers say what they mean.
-    from training import parse_args
+    from flags import parse_args
 
     assert parse_args("train_single_gpu", "", ["--no-freeze-layers"]).freeze_layers is False
     assert parse_args("train_single_gpu", "", ["--freeze-layers"]).freeze_layers is True
@@ -206,7 +205,7 @@ def test_boolean_flags_are_real_booleans(tiny_data, tmp_path):
 
 
 def test_demo_settings_yield_to_flags_given_on_the_command_line():
-    from training import DEMO_DEFAULTS, parse_args
+    from flags import DEMO_DEFAULTS, parse_args
 
     demo = parse_args("train_single_gpu", "", ["--demo"])
     assert {name: getattr(demo, name) for name in DEMO_DEFAULTS} == DEMO_DEFAULTS
