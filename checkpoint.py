@@ -16,8 +16,18 @@ CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "clas
 
 
 def save_atomically(obj, path) -> None:
-    """torch.save to `path`; readers (and crashes) see either the old file or the complete new one."""
-    write_atomically(path, lambda f: torch.save(obj, f), binary=True)
+    """torch.save to `path`; readers (and crashes) see either the old file or the complete new one. If it cannot
+    be written (a full disk, ...), OutputError, with `path` untouched."""
+    write_atomically(path, lambda f: torch.save(obj, f), binary=True, size=tensor_bytes(obj))
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors in `obj` (nested in dicts, lists and tuples): about the size of its file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    return sum(tensor_bytes(item) for item in obj) if isinstance(obj, list | tuple) else 0
 
 
 def training_state(epoch, model, optimizer, scheduler, scaler, best_acc, classes, world_size, run: dict) -> dict:

@@ -110,7 +110,8 @@ def main(argv=None):
     confusion = evaluate(trained.model, loader, trained.device, len(split.classes), trained.compute)
     correct, total = int(confusion.trace()), int(confusion.sum())
     scores = per_class_scores(confusion)
-    print(f"accuracy {correct / total:.3f} ({correct}/{total})\n")
+    left_out = f"; {len(images) - total} unreadable image(s) left out" if total < len(images) else ""
+    print(f"accuracy {correct / total:.3f} ({correct}/{total}{left_out})\n")
     width = max(len("class"), *map(len, split.classes))
     print(f"{'class':<{width}}  precision  recall  support")
     rows = list(zip(split.classes, scores["precision"], scores["recall"], scores["support"], strict=True))

@@ -8,6 +8,7 @@ A dataset here is a folder with one sub-folder per class (the layout of flower_p
 
 import math
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,10 +164,18 @@ def load_rgb(path, min_side: int | None = None) -> Image.Image:
         return image.convert("RGB")
 
 
+# The label of an image that could not be read during a run (deleted or broken after the start-up check): the
+# loss ignores it (nn.CrossEntropyLoss's ignore_index), evaluation leaves it out of its counts.
+SKIPPED = -100
+
+
 class MyDataSet(Dataset):
     """Images and their class labels; items are (image tensor, label).
 
-    A transform that is a Preset also says how small a large JPEG may be decoded (see load_rgb).
+    A transform that is a Preset also says how small a large JPEG may be decoded (see load_rgb). An image that
+    cannot be read when its turn comes (it vanished or broke after the start-up check) is skipped with a warning
+    naming it: its item is a blank image, transformed as any other (so the batch keeps its shape), labelled
+    SKIPPED.
     """
 
     def __init__(self, images_path, images_class, transform=None):
@@ -181,10 +190,15 @@ class MyDataSet(Dataset):
         return len(self.images_path)
 
     def __getitem__(self, index):
-        image = load_rgb(self.images_path[index], self.min_side)
+        path, label = self.images_path[index], self.images_class[index]
+        try:
+            image = load_rgb(path, self.min_side)
+        except Exception as error:  # PIL raises many types for a file that is gone or no longer an image
+            print(f"warning: skipped unreadable image {path} ({type(error).__name__}: {error})", file=sys.stderr)
+            image, label = Image.new("RGB", (self.min_side or 1,) * 2), SKIPPED
         if self.transform is not None:
             image = self.transform(image)
-        return image, self.images_class[index]
+        return image, label
 
 
 class SeededSamples(Dataset):

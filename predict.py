@@ -9,7 +9,7 @@ import torch
 
 from inference import add_model_arguments, image_loader, load_trained_model
 from multi_train_utils.distributed_utils import resolve_device
-from my_dataset import IMAGE_EXTENSIONS, image_problem, list_images
+from my_dataset import IMAGE_EXTENSIONS, SKIPPED, image_problem, list_images
 from utils import HelpFormatter, Parser, UserError, describe, entry_point, positive_int
 
 
@@ -63,6 +63,8 @@ def main(argv=None):
             for position, values, labels in zip(
                 positions.tolist(), top.values.tolist(), top.indices.tolist(), strict=True
             ):
+                if position == SKIPPED:  # it vanished or broke since it was checked; the loader warned
+                    continue
                 ranked = ", ".join(
                     f"{trained.classes[label]} {value:.3f}" for label, value in zip(labels, values, strict=True)
                 )

@@ -13,7 +13,7 @@ from torch.utils.tensorboard.summary import hparams
 
 from compute import Compute
 from my_dataset import IMAGENET_MEAN, IMAGENET_STD, write_class_indices
-from utils import write_atomically, write_json
+from utils import OutputError, write_atomically, write_failure, write_json
 
 
 class RunLog:
@@ -42,9 +42,16 @@ class RunLog:
         print(
             f"[epoch {epoch}] train loss {metrics['train_loss']:.3f}  val acc {metrics['val_acc']:.3f} "
             f"({metrics['val_correct']}/{metrics['val_total']})  lr {metrics['lr']:.2e}  "
-            f"{metrics['epoch_seconds']:.1f} s, {metrics['train_images_per_sec']:.1f} img/s",
+            f"{metrics['epoch_seconds']:.1f} s, {metrics['train_images_per_sec']:.1f} img/s" + skipped_note(metrics),
             flush=True,
         )
+        try:
+            self.write_epoch(metrics, best_acc, model, compute)
+        except OSError as error:  # TensorBoard's writer: a full disk, a vanished folder, ...
+            raise OutputError(write_failure(Path(error.filename or self.output_dir), error)) from None
+
+    def write_epoch(self, metrics: dict, best_acc: float, model, compute: Compute) -> None:
+        epoch = metrics["epoch"]
         for tag, value in (
             ("loss", metrics["train_loss"]),
             ("accuracy", metrics["val_acc"]),
@@ -55,12 +62,22 @@ class RunLog:
         self.writer.add_figure(
             "validation_predictions", preview_figure(model, self.preview, self.classes, compute), epoch
         )
-        with open(self.output_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        self.writer.flush()  # now, so that a failure to write the event file surfaces now
+        # The file rewritten whole (it is small), never appended to: a full disk cannot leave half a line in it.
+        path = self.output_dir / "metrics.jsonl"
+        lines = path.read_text() if path.exists() else ""
+        write_atomically(path, lambda f: f.write(lines + json.dumps(metrics) + "\n"))
 
     def close(self) -> None:
         if self.enabled:
             self.writer.close()
+
+
+def skipped_note(metrics: dict) -> str:
+    skipped = (metrics["skipped_images"], metrics["val_skipped_images"])
+    if not any(skipped):
+        return ""
+    return f"  (unreadable, left out: {skipped[0]} training, {skipped[1]} validation images)"
 
 
 def run_record(args, **decided) -> dict:
@@ -70,8 +87,11 @@ def run_record(args, **decided) -> dict:
     return {key: plain(value) for key, value in {**vars(args), **decided}.items()}
 
 
-def epoch_metrics(epoch, train_loss, train_images, train_seconds, epoch_seconds, confusion, lr, world_size, device):
-    """One line of metrics.jsonl: the epoch's loss, validation counts (overall and per class), rate and speed."""
+def epoch_metrics(
+    epoch, train_loss, train_images, train_seconds, epoch_seconds, confusion, lr, world_size, device, expected
+):
+    """One line of metrics.jsonl: the epoch's loss, validation counts (overall and per class), rate and speed,
+    and the images skipped because they could not be read: `expected` (training, validation) less those used."""
     val_correct, val_total = int(confusion.trace()), int(confusion.sum())
     return {
         "epoch": epoch,
@@ -83,8 +103,11 @@ def epoch_metrics(epoch, train_loss, train_images, train_seconds, epoch_seconds,
         "val_per_class_total": confusion.sum(dim=1).tolist(),
         "lr": lr,
         "epoch_seconds": epoch_seconds,
+        "train_images": train_images,
         "train_images_per_sec": train_images / train_seconds,
         "world_size": world_size,
+        "skipped_images": expected[0] - train_images,
+        "val_skipped_images": expected[1] - val_total,
         **peak_memory(device),
     }
 

@@ -14,17 +14,17 @@ import torch
 from torch.optim import lr_scheduler
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from checkpoint import load_checkpoint, restore, save_epoch, training_state
+from checkpoint import CHECKPOINT_NAME, load_checkpoint, restore, save_epoch, training_state
 from compute import Compute, choose_compute
 from flags import Plan
 from machine import core_budget
 from model import create_model, freeze_all_but_head, load_weights
-from multi_train_utils.distributed_utils import Process, barrier, broadcast_object, is_main_process
+from multi_train_utils.distributed_utils import Process, broadcast_object, is_main_process, on_main_process
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 from my_dataset import DataSplit, MyDataSet, SeededBatchSampler, SeededSamples, train_transform, val_transform
 from run_log import RunLog, epoch_metrics, run_record
-from utils import describe
+from utils import OutputError, describe
 
 
 def train(args, plan: Plan, process: Process) -> dict:
@@ -63,29 +63,40 @@ def train(args, plan: Plan, process: Process) -> dict:
     )  # fmt: skip
     log = RunLog(output_dir, run, classes, start_epoch, val_loader.dataset, enabled=is_main_process())
 
+    expected = (len(train_loader) * args.batch_size * process.world_size, len(split.val_images))  # every epoch's
+    limits = [0 if args.strict_images else max(1, count // 100) for count in expected]  # unreadable images: 1 %
     metrics = {}
     for epoch in range(start_epoch, args.epochs):
         train_loader.batch_sampler.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
         lr, start = optimizer.param_groups[0]["lr"], time.perf_counter()
-        train_loss, images = train_one_epoch(model, optimizer, train_loader, device, epoch, compute, scaler)
+        train_loss, images = train_one_epoch(model, optimizer, train_loader, device, epoch, compute, scaler, limits[0])
         train_seconds = time.perf_counter() - start
         scheduler.step()
-        confusion = evaluate(plain_model, val_loader, device, len(classes), compute)
+        confusion = evaluate(plain_model, val_loader, device, len(classes), compute, limits[1])
         metrics = epoch_metrics(
             epoch, train_loss, images, train_seconds, time.perf_counter() - start, confusion, lr,
-            process.world_size, device,
+            process.world_size, device, expected,
         )  # fmt: skip
         improved, best_acc = metrics["val_acc"] > best_acc, max(best_acc, metrics["val_acc"])
-        if is_main_process():
-            log.epoch(metrics, best_acc, plain_model, compute)
-            state = training_state(
-                epoch, plain_model, optimizer, scheduler, scaler, best_acc, classes, process.world_size, run
-            )
-            save_epoch(output_dir, epoch, plain_model.state_dict(), improved, state)
-        barrier()  # no rank starts the next epoch before this one's checkpoint is on disk
+        state = training_state(
+            epoch, plain_model, optimizer, scheduler, scaler, best_acc, classes, process.world_size, run
+        )
+        # Rank 0 writes; no rank starts the next epoch before this one's checkpoint is on disk, or goes on if not.
+        on_main_process(write_epoch, log, metrics, best_acc, plain_model, compute, output_dir, improved, state)
     log.close()
     say(f"Done: best val acc {best_acc:.3f}; weights in {output_dir / 'weights'}")
     return metrics
+
+
+def write_epoch(log: RunLog, metrics, best_acc, plain_model, compute, output_dir: Path, improved, state) -> None:
+    """Everything an epoch leaves on disk: its log lines, its weights, then the checkpoint."""
+    try:
+        log.epoch(metrics, best_acc, plain_model, compute)
+        save_epoch(output_dir, metrics["epoch"], plain_model.state_dict(), improved, state)
+    except OutputError as error:
+        last = output_dir / CHECKPOINT_NAME
+        kept = f"{last} (epoch {load_checkpoint(last)['epoch']}) is untouched" if last.exists() else "no checkpoint yet"
+        raise OutputError(f"{error}; stopped, {kept}: make room, then continue with --resume {last}") from None
 
 
 def say(*message) -> None:

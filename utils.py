@@ -2,10 +2,13 @@
 the safe torch.load, and atomic file writes."""
 
 import argparse
+import contextlib
+import errno
 import functools
 import json
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -97,25 +100,59 @@ def safe_load(path, what: str):
         ) from None
 
 
-def write_atomically(path, write, binary: bool = False) -> None:
+class OutputError(UserError):
+    """An output could not be written (no space, a quota, a permission, a vanished folder): the file it was to
+    replace, and everything written before, are left as they were."""
+
+
+def write_atomically(path, write, binary: bool = False, size: int | None = None) -> None:
     """Create or replace `path` with what write(file) writes, so that readers and crashes see either the old
-    file or the whole new one: a temporary file in the same folder, fsync, rename, fsync of the folder."""
+    file or the whole new one: a temporary file in the same folder, fsync, rename, fsync of the folder.
+
+    If the filesystem refuses (OSError, whatever layer re-raises it: torch.save turns it into a RuntimeError),
+    raises OutputError naming the file, the reason and, when space ran out, the space free and needed (`size`
+    bytes, if the caller knows it); the temporary file is removed and `path` is untouched.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb" if binary else "w") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # make the rename itself durable
+        finally:
+            os.close(folder)
+    except Exception as error:
+        reason = os_error_in(error)
+        if reason is None:
+            raise
+        raise OutputError(write_failure(path, reason, size)) from None
     finally:
-        tmp.unlink(missing_ok=True)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # make the rename itself durable
-    finally:
-        os.close(folder)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError that `error` is, or that it was raised while handling (its chain of causes), else None."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def write_failure(path: Path, error: OSError, size: int | None = None) -> str:
+    """One line: which file could not be written and why, with the space free and needed when it ran out."""
+    message = f"cannot write {path}: {error.strerror or error}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        existing = next((folder for folder in (path, *path.parents) if folder.exists()), Path("/"))
+        free = shutil.disk_usage(existing).free
+        needed = f", about {size / 2**20:.0f} MiB needed" if size else ""
+        message += f" ({free / 2**20:.0f} MiB free on its filesystem{needed})"
+    return message
 
 
 def write_json(path, data) -> None:

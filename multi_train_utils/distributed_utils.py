@@ -187,3 +187,18 @@ def broadcast_object(obj):
 def barrier() -> None:
     if is_dist_avail_and_initialized():
         dist.barrier()
+
+
+def on_main_process(function, *args) -> None:
+    """Call function(*args) on rank 0 alone, while the other ranks wait for it to finish. A UserError it raises
+    (a full disk while saving, say) is raised on every rank at once, so that all stop together instead of
+    waiting for rank 0 until the collective timeout."""
+    message = None
+    if is_main_process():
+        try:
+            function(*args)
+        except UserError as error:
+            message = str(error)
+    message = broadcast_object(message)  # also the barrier: no rank goes on before rank 0 is done
+    if message is not None:
+        raise UserError(message)

@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from compute import Compute
 from multi_train_utils.distributed_utils import is_main_process, reduce_value
+from my_dataset import SKIPPED
 from utils import UserError
 
 
@@ -17,49 +18,69 @@ class NonFiniteLossError(UserError):
 
 
 def train_one_epoch(
-    model, optimizer, data_loader, device, epoch: int, compute: Compute = Compute(), scaler=None
+    model, optimizer, data_loader, device, epoch: int, compute: Compute = Compute(), scaler=None, max_skipped=None
 ) -> tuple[float, int]:
-    """Train for one epoch; returns (mean loss over every sample of every rank, images seen by all ranks).
+    """Train for one epoch; returns (mean loss over every sample of every rank, images trained on by all ranks).
 
     The per-step loss is summed over the ranks, weighted by batch size, so the bar shows the same running mean
     on any world size and every rank sees a non-finite loss together. `scaler` is a torch.amp.GradScaler, needed
     for float16 only (its narrow range would underflow small gradients); disabled or None, steps are plain.
+    Images that could not be read (labelled SKIPPED) are left out of the loss; the count of them, summed over
+    the ranks with the loss, stops every rank at the same step once it passes `max_skipped` (None: no limit).
     """
     device = torch.device(device)
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
     model.train()
-    loss_function = nn.CrossEntropyLoss()
-    loss_and_count = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of sample losses, samples)
+    loss_function = nn.CrossEntropyLoss(ignore_index=SKIPPED)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # (sum of sample losses, samples, skipped)
     progress = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process())
     for images, labels in progress:
+        read = int((labels != SKIPPED).sum())
         images, labels = compute.batch_to(images, device), labels.to(device, non_blocking=device.type == "cuda")
         with compute.autocast(device):
-            loss = loss_function(model(images), labels)
+            outputs = model(images)
+            # A batch of nothing but skipped images still takes its step (every rank steps together): loss 0.
+            loss = loss_function(outputs, labels) if read else outputs.sum() * 0.0
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
 
-        # (sum of the step's sample losses, samples), over every rank
-        step = torch.tensor([loss.item() * len(labels), len(labels)], dtype=torch.float64, device=device)
+        # (sum of the step's sample losses, samples, skipped images), over every rank
+        step = torch.tensor([loss.item() * read, read, len(labels) - read], dtype=torch.float64, device=device)
         step = reduce_value(step, average=False)
         if not torch.isfinite(step[0]):
             raise NonFiniteLossError(
                 f"non-finite loss at epoch {epoch}: stopped; lower --lr or check the data "
                 "(the last checkpoint is from before this epoch)"
             )
+        totals += step
+        if max_skipped is not None and totals[2] > max_skipped:
+            raise UserError(too_many_skipped(int(totals[2]), max_skipped, f"epoch {epoch}'s training images"))
         scaler.step(optimizer)  # with float16, skips the step (and lowers the scale) if a gradient overflowed
         scaler.update()
-        loss_and_count += step
-        progress.set_postfix(mean_loss=f"{(loss_and_count[0] / loss_and_count[1]).item():.3f}")
-    total_loss, total_images = loss_and_count.tolist()
+        progress.set_postfix(mean_loss=f"{(totals[0] / totals[1].clamp(min=1)).item():.3f}")
+    total_loss, total_images, _ = totals.tolist()
     return total_loss / max(total_images, 1), int(total_images)
 
 
+def too_many_skipped(skipped: int, limit: int, of_what: str) -> str:
+    if limit == 0:
+        return f"an image of {of_what} could not be read (--strict-images): stopped; the warning above names it"
+    return (
+        f"{skipped} of {of_what} could not be read, more than the {limit} (1 %) a run skips: stopped; the "
+        "warnings above name them (the last checkpoint is from before this epoch)"
+    )
+
+
 @torch.no_grad()
-def evaluate(model, data_loader, device, num_classes: int, compute: Compute = Compute()) -> torch.Tensor:
+def evaluate(
+    model, data_loader, device, num_classes: int, compute: Compute = Compute(), max_skipped=None
+) -> torch.Tensor:
     """The confusion matrix (rows: true class, columns: predicted) summed over every rank's validation shard.
 
     Each rank evaluates its own disjoint shard, nothing padded, so every image counts exactly once: accuracy is
-    its trace over its sum, per-class recall its diagonal over row sums.
+    its trace over its sum, per-class recall its diagonal over row sums. Images that could not be read (labelled
+    SKIPPED) are in neither: the data's image count less the matrix's sum is their number; more than
+    `max_skipped` of them (None: no limit) stop every rank.
     """
     device = torch.device(device)
     model.eval()
@@ -70,7 +91,11 @@ def evaluate(model, data_loader, device, num_classes: int, compute: Compute = Co
         with compute.autocast(device):
             predictions = model(compute.batch_to(images, device)).argmax(dim=1)
         labels = labels.to(device)
-        confusion += torch.bincount(labels * num_classes + predictions, minlength=num_classes * num_classes).view(
-            num_classes, num_classes
-        )
-    return reduce_value(confusion, average=False).cpu()
+        read = labels != SKIPPED  # images that could not be read count neither as right nor as wrong
+        pairs = labels[read] * num_classes + predictions[read]
+        confusion += torch.bincount(pairs, minlength=num_classes * num_classes).view(num_classes, num_classes)
+    confusion = reduce_value(confusion, average=False).cpu()
+    skipped = max_skipped is not None and len(data_loader.dataset) - int(confusion.sum())
+    if skipped and skipped > max_skipped:  # the same on every rank: the matrix is the sum over all of them
+        raise UserError(too_many_skipped(skipped, max_skipped, "the validation images"))
+    return confusion

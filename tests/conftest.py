@@ -34,6 +34,19 @@ def fault_env(fault: str | None = None) -> dict:
     return env
 
 
+def processes_with(marker: str) -> list[int]:
+    """Live processes whose environment carries RUN_MARKER=marker (workers, loader workers, launchers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"RUN_MARKER={marker}".encode() in (proc / "environ").read_bytes():
+                if (proc / "stat").read_text().split(")")[-1].split()[0] != "Z":  # zombies have already exited
+                    found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
 def script_command(script: str, *args, launcher=()) -> list[str]:
     return [sys.executable, *launcher, str(ROOT / script), *map(str, args)]
 

@@ -17,25 +17,13 @@ from conftest import (
     fault_env,
     final_weights,
     metrics_without_timings,
+    processes_with,
     run_script,
     script_command,
     torchrun,
 )
 
 from checkpoint import load_checkpoint
-
-
-def processes_with(marker: str) -> list[int]:
-    """Live processes whose environment carries RUN_MARKER=marker (workers, loader workers, launchers)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and f"RUN_MARKER={marker}".encode() in (proc / "environ").read_bytes():
-                if (proc / "stat").read_text().split(")")[-1].split()[0] != "Z":  # zombies have already exited
-                    found.append(int(proc.name))
-        except OSError:
-            pass
-    return found
 
 
 def start(script, *args, launcher=(), env=None) -> subprocess.Popen:

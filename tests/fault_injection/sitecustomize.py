@@ -1,33 +1,59 @@
 """Test-only fault injection, loaded by Python at start-up in every process when this folder is on PYTHONPATH.
 
-FAULT=raise:RANK:EPOCH  rank RANK raises at the start of epoch EPOCH
-FAULT=nan:EPOCH         every rank's images of epoch EPOCH become NaN (a non-finite loss)
-FAULT=slow              each training step sleeps 0.2 s (to kill a run in the middle of an epoch)
+FAULT=raise:RANK:EPOCH   rank RANK raises at the start of epoch EPOCH
+FAULT=nan:EPOCH          every rank's images of epoch EPOCH become NaN (a non-finite loss)
+FAULT=slow               each training step sleeps 0.2 s (to kill a run in the middle of an epoch)
+FAULT=fsize:EPOCH:BYTES  from the start of epoch EPOCH, no file may grow beyond BYTES (RLIMIT_FSIZE, the kernel's
+                         own limit: writes fail with EFBIG, "File too large", as on a full disk they fail with
+                         ENOSPC); needs no privileges
+FAULT=delete:EPOCH:STEP  rank 0 deletes the files listed in FAULT_FILES (os.pathsep between them) after STEP
+                         steps of epoch EPOCH (0: before its first), as a cleaning job or a re-sync would
 
+Several faults: separated by commas (FAULT=delete:1:1,fsize:2:1000000).
 The scripts are untouched; this replaces training.train_one_epoch in the process before they run.
 """
 
 import os
 
 if os.environ.get("FAULT"):
+    import resource
+    import signal
     import time
+    from pathlib import Path
 
     import torch
     import torch.distributed as dist
 
     import training
 
-    kind, *numbers = os.environ["FAULT"].split(":")
+    faults = [(kind, numbers) for kind, *numbers in (fault.split(":") for fault in os.environ["FAULT"].split(","))]
     real_train_one_epoch = training.train_one_epoch
+
+    def deleting(data_loader, step: int):
+        for done, batch in enumerate(data_loader):
+            if done == step:
+                for path in os.environ["FAULT_FILES"].split(os.pathsep):
+                    Path(path).unlink(missing_ok=True)
+            yield batch
 
     def faulty_train_one_epoch(model, optimizer, data_loader, device, epoch, *how):
         rank = dist.get_rank() if dist.is_initialized() else 0
+        for kind, numbers in faults:
+            data_loader = inject(kind, numbers, data_loader, rank, epoch)
+        return real_train_one_epoch(model, optimizer, data_loader, device, epoch, *how)
+
+    def inject(kind, numbers, data_loader, rank, epoch):
         if kind == "raise" and [rank, epoch] == [int(n) for n in numbers]:
             raise RuntimeError(f"injected failure on rank {rank} at epoch {epoch}")
         if kind == "nan" and epoch == int(numbers[0]):
             data_loader = [(images * torch.nan, labels) for images, labels in data_loader]
         if kind == "slow":
             data_loader = (batch for batch in data_loader if time.sleep(0.2) is None)
-        return real_train_one_epoch(model, optimizer, data_loader, device, epoch, *how)
+        if kind == "fsize" and epoch == int(numbers[0]):
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+            resource.setrlimit(resource.RLIMIT_FSIZE, (int(numbers[1]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        if kind == "delete" and epoch == int(numbers[0]) and rank == 0:
+            data_loader = deleting(data_loader, int(numbers[1]))
+        return data_loader
 
     training.train_one_epoch = faulty_train_one_epoch
