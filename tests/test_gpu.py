@@ -251,12 +251,6 @@ def test_predict_on_a_machine_without_a_gpu_reads_a_checkpoint_saved_on_the_gpu(
     assert line.startswith(f"{image}: ") and len(line.split(", ")) == 3  # the top 3 classes
 
 
-@pytest.mark.xfail(
-    reason="weights files keep the device they were saved from (cuda:0), so README's "
-    "`resnet34(num_classes=5).load_state_dict(torch.load(path, weights_only=True))` without map_location "
-    "cannot restore them where torch sees no GPU",
-    strict=False,
-)
 def test_weights_saved_on_the_gpu_load_as_the_readme_shows_where_there_is_no_gpu(bf16_run):
     code = (
         "import sys, torch; from torchvision.models import resnet34; "
