@@ -6,6 +6,7 @@ The launch scripts differ only in how they start processes and join them into a 
 process and eight run the same code, with rank 0 alone printing and writing files.
 """
 
+import functools
 import math
 import time
 from pathlib import Path
@@ -78,8 +79,8 @@ def train(args, plan: Plan, process: Process) -> dict:
             process.world_size, device, expected,
         )  # fmt: skip
         improved, best_acc = metrics["val_acc"] > best_acc, max(best_acc, metrics["val_acc"])
-        state = training_state(
-            epoch, plain_model, optimizer, scheduler, scaler, best_acc, classes, process.world_size, run
+        state = functools.partial(  # the checkpoint's contents, gathered by rank 0 alone, when it saves
+            training_state, epoch, plain_model, optimizer, scheduler, scaler, best_acc, classes, process.world_size, run
         )
         # Rank 0 writes; no rank starts the next epoch before this one's checkpoint is on disk, or goes on if not.
         on_main_process(write_epoch, log, metrics, best_acc, plain_model, compute, output_dir, improved, state)
@@ -89,13 +90,13 @@ def train(args, plan: Plan, process: Process) -> dict:
 
 
 def write_epoch(log: RunLog, metrics, best_acc, plain_model, compute, output_dir: Path, improved, state) -> None:
-    """Everything an epoch leaves on disk: its log lines, its weights, then the checkpoint."""
+    """Everything an epoch leaves on disk: its log lines, its weights, then the checkpoint (`state()`)."""
     try:
         log.epoch(metrics, best_acc, plain_model, compute)
-        save_epoch(output_dir, metrics["epoch"], plain_model.state_dict(), improved, state)
+        save_epoch(output_dir, metrics["epoch"], plain_model.state_dict(), improved, state())
     except OutputError as error:
-        last = output_dir / CHECKPOINT_NAME
-        kept = f"{last} (epoch {load_checkpoint(last)['epoch']}) is untouched" if last.exists() else "no checkpoint yet"
+        last = output_dir / CHECKPOINT_NAME  # each finished epoch wrote one: it is the epoch before this one's
+        kept = f"{last} (epoch {metrics['epoch'] - 1}) is untouched" if last.exists() else "no checkpoint yet"
         raise OutputError(f"{error}; stopped, {kept}: make room, then continue with --resume {last}") from None
 
 

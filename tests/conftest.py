@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -45,6 +46,34 @@ def processes_with(marker: str) -> list[int]:
         except OSError:
             pass
     return found
+
+
+def run_nodes(start, logs: list[Path], timeout: float) -> list[str]:
+    """Start one process per log file, start(rank, log_file), as the nodes of one job, and wait for all of them
+    (within `timeout` seconds); any still running on the way out is stopped. Fails the test unless every one
+    exited 0; returns each one's output."""
+    deadline = time.monotonic() + timeout
+    nodes = []
+    try:
+        for rank, log in enumerate(logs):
+            with open(log, "w") as log_file:
+                nodes.append(start(rank, log_file))
+        for node in nodes:
+            node.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.terminate()  # torchrun stops its worker (in a session of its own) and exits
+        for node in nodes:
+            try:
+                node.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                node.kill()
+                node.wait()
+    outputs = [log.read_text() for log in logs]
+    for node, output in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, output
+    return outputs
 
 
 def script_command(script: str, *args, launcher=()) -> list[str]:

@@ -20,16 +20,16 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, ROOT, fault_env, run_script, script_command, torchrun
+from conftest import FAST, ROOT, fault_env, run_nodes, run_script, script_command, torchrun
+
+from multi_train_utils.spawn_utils import find_free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -179,12 +179,6 @@ def probe_records(records: Path, event: str) -> list[dict]:
     return [line for line in lines if line["event"] == event]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # ---------------------------------------------------------------------------------------------------------- precision
 
 
@@ -305,12 +299,20 @@ def test_evaluate_on_the_gpu_writes_eval_json_for_the_runs_validation_images(bf1
 # ------------------------------------------------------------------------------------------------------------ DDP
 
 
-def test_torchrun_with_one_process_trains_on_nccl_with_sync_batchnorm(tiny_data, tmp_path):
+ONE_PROCESS = {
+    "torchrun": ("train_multi_gpu_using_launch.py", (), torchrun(1)),
+    "spawn": ("train_multi_gpu_using_spawn.py", ("--world-size", "1"), ()),
+}
+
+
+@pytest.mark.parametrize("mode", ONE_PROCESS)
+def test_one_process_of_each_launch_mode_trains_on_nccl_with_sync_batchnorm(tiny_data, tmp_path, mode):
+    script, flags, launcher = ONE_PROCESS[mode]
     env, records = probe_env(tmp_path)
     out = tmp_path / "run"
     result = run_script(
-        "train_multi_gpu_using_launch.py", *TWO_EPOCHS, "--data-path", tiny_data, "--output-dir", out,
-        "--device", "cuda", launcher=torchrun(1), env=env,
+        script, *TWO_EPOCHS, "--data-path", tiny_data, "--output-dir", out, "--device", "cuda", *flags,
+        launcher=launcher, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 process(es) on cuda, backend nccl" in result.stdout
@@ -318,21 +320,6 @@ def test_torchrun_with_one_process_trains_on_nccl_with_sync_batchnorm(tiny_data,
     [ddp] = probe_records(records, "ddp")
     assert ddp["backend"] == "nccl" and ddp["device"] == "cuda:0" and ddp["world_size"] == 1
     assert ddp["sync_bn"] > 0 and ddp["batch_norm"] == 0  # every BatchNorm converted to torch's SyncBatchNorm
-
-
-def test_spawn_with_one_process_trains_on_nccl_with_sync_batchnorm(tiny_data, tmp_path):
-    env, records = probe_env(tmp_path)
-    out = tmp_path / "run"
-    result = run_script(
-        "train_multi_gpu_using_spawn.py", *TWO_EPOCHS, "--data-path", tiny_data, "--output-dir", out,
-        "--device", "cuda", "--world-size", "1", env=env,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 process(es) on cuda, backend nccl" in result.stdout
-    assert_trained(out)
-    [ddp] = probe_records(records, "ddp")
-    assert ddp["backend"] == "nccl" and ddp["device"] == "cuda:0" and ddp["world_size"] == 1
-    assert ddp["sync_bn"] > 0 and ddp["batch_norm"] == 0
 
 
 def test_one_torchrun_cannot_put_two_processes_on_one_gpu(tiny_data, tmp_path):
@@ -373,28 +360,8 @@ def test_two_ranks_share_one_gpu_over_gloo_and_run_the_multi_rank_cuda_paths(tin
     env, records = probe_env(tmp_path)
     env.update(one_visible_gpu())
     out, logs = tmp_path / "run", [tmp_path / f"node{rank}.log" for rank in (0, 1)]
-    port, job_id = free_port(), f"gpu-{uuid.uuid4().hex[:8]}"
-    deadline = time.monotonic() + 300
-    nodes = []
-    try:
-        for rank, log in enumerate(logs):
-            with open(log, "w") as log_file:
-                nodes.append(start_node(rank, port, job_id, tiny_data, out, env, log_file))
-        for node in nodes:
-            node.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.terminate()
-        for node in nodes:
-            try:
-                node.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                node.kill()
-                node.wait()
-    outputs = [log.read_text() for log in logs]
-    for node, output in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, output
+    port, job_id = find_free_port(), f"gpu-{uuid.uuid4().hex[:8]}"
+    outputs = run_nodes(lambda rank, log: start_node(rank, port, job_id, tiny_data, out, env, log), logs, 300)
     assert sum("2 process(es) on cuda, backend gloo" in output for output in outputs) == 1  # rank 0 alone prints
     assert_trained(out, world_size=2)
 

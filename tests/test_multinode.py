@@ -6,12 +6,11 @@ one process each; the job must train the same weights as one torchrun with two p
 
 import os
 import subprocess
-import time
 import uuid
 
 import pytest
 import torch
-from conftest import DDP_FLAGS, final_weights, metrics_without_timings, script_command
+from conftest import DDP_FLAGS, final_weights, metrics_without_timings, run_nodes, script_command
 
 from multi_train_utils.spawn_utils import find_free_port
 
@@ -48,27 +47,7 @@ def two_node_run(tiny_data, tmp_path_factory):
     folder = tmp_path_factory.mktemp("two_nodes")
     out, logs = folder / "run", [folder / f"node{rank}.log" for rank in (0, 1)]
     port, job_id = find_free_port(), f"test-{uuid.uuid4().hex[:8]}"
-    deadline = time.monotonic() + TIMEOUT
-    nodes = []
-    try:
-        for rank, log in enumerate(logs):
-            with open(log, "w") as log_file:
-                nodes.append(start_node(port, job_id, rank, tiny_data, out, log_file))
-        for node in nodes:
-            node.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.terminate()  # torchrun stops its worker (in a session of its own) and exits
-        for node in nodes:
-            try:
-                node.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                node.kill()
-                node.wait()
-    outputs = [log.read_text() for log in logs]
-    for node, output in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, output
+    outputs = run_nodes(lambda rank, log: start_node(port, job_id, rank, tiny_data, out, log), logs, TIMEOUT)
     return out, outputs
 
 
