@@ -40,8 +40,9 @@ from model import create_model
 from multi_train_utils.distributed_utils import resolve_device
 from multi_train_utils.train_eval_utils import train_one_epoch
 from plot_results import plot_benchmark
+from recipe import build_optimizer
 from run_log import peak_memory
-from training import build_model, build_optimizer
+from training import build_model
 from utils import Parser, UserError, entry_point, number, write_json
 
 ROOT = Path(__file__).resolve().parent
@@ -84,7 +85,9 @@ def _model_only(queue, img_size, batch_size, amp, channels_last, device, steps):
     compute, summary = choose_compute(amp, channels_last, device, img_size)
     model, _ = build_model(5, device, compute)  # as the scripts build it, in one process
     # The training scripts' optimizer at their default settings (the step's cost does not depend on them).
-    optimizer, _ = build_optimizer(model, lr=0.001, world_size=1, momentum=0.9, weight_decay=1e-4, epochs=1, lrf=0.1)
+    optimizer, _ = build_optimizer(
+        model, lr=0.001, world_size=1, momentum=0.9, weight_decay=1e-4, epochs=1, lrf=0.1, steps_per_epoch=1
+    )
     scaler = compute.grad_scaler(device)
     generator = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, 3, img_size, img_size, generator=generator), torch.randint(0, 5, (batch_size,)))

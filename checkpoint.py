@@ -30,9 +30,12 @@ def tensor_bytes(obj) -> int:
     return sum(tensor_bytes(item) for item in obj) if isinstance(obj, list | tuple) else 0
 
 
-def training_state(epoch, model, optimizer, scheduler, scaler, best_acc, classes, world_size, run: dict) -> dict:
+def training_state(
+    epoch, model, optimizer, scheduler, scaler, best_acc, classes, world_size, run: dict, ema=None
+) -> dict:
     """Everything needed to continue after `epoch`, as tensors and plain data; `run` is the run's record (its
-    flags and what was decided from them, as in args.json)."""
+    flags and what was decided from them, as in args.json); `ema` the weights' moving average, if the run keeps
+    one."""
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -42,6 +45,7 @@ def training_state(epoch, model, optimizer, scheduler, scaler, best_acc, classes
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else None,
+        "ema": ema.state_dict() if ema is not None else None,
         "best_acc": best_acc,
         "classes": list(classes),
         "world_size": world_size,
@@ -58,7 +62,7 @@ def load_checkpoint(path) -> dict:
     return state
 
 
-def restore(state: dict, model, optimizer, scheduler, scaler) -> tuple[int, float]:
+def restore(state: dict, model, optimizer, scheduler, scaler, ema=None) -> tuple[int, float]:
     """Put a checkpoint's state back into the training objects and the random generators; returns (the first
     epoch to train, the best validation accuracy so far)."""
     model.load_state_dict(state["model"])
@@ -66,19 +70,26 @@ def restore(state: dict, model, optimizer, scheduler, scaler) -> tuple[int, floa
     scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
+    if ema is not None:
+        ema.load_state_dict(state["ema"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return state["epoch"] + 1, state["best_acc"]
 
 
-def save_epoch(output_dir: Path, epoch: int, weights: dict, improved: bool, state: dict) -> None:
-    """What an epoch leaves on disk: its weights (weights/model-N.pth), weights/best.pth when it improved on the
-    best validation accuracy, and the checkpoint, last, so that a checkpoint never claims an epoch whose outputs
-    are not all written. The weights are saved as CPU tensors, so that they load on a machine without a GPU
-    without a map_location."""
-    weights = {name: tensor.cpu() for name, tensor in weights.items()}
-    save_atomically(weights, output_dir / "weights" / f"model-{epoch}.pth")
-    if improved:
-        save_atomically(weights, output_dir / "weights" / "best.pth")
+def save_epoch(output_dir: Path, epoch: int, weights: dict, best: dict | None, state: dict, keep: bool = False) -> None:
+    """What an epoch leaves on disk: its weights as weights/last.pth (and as weights/model-N.pth when `keep`),
+    `best` as weights/best.pth when the epoch improved on the best validation accuracy, and the checkpoint,
+    last, so that a checkpoint never claims an epoch whose outputs are not all written.
+
+    Weights are saved as CPU tensors, so that they load on a machine without a GPU without a map_location.
+    """
+    on_cpu = lambda tensors: {name: tensor.cpu() for name, tensor in tensors.items()}  # noqa: E731
+    weights = on_cpu(weights)
+    save_atomically(weights, output_dir / "weights" / "last.pth")
+    if keep:
+        save_atomically(weights, output_dir / "weights" / f"model-{epoch}.pth")
+    if best is not None:
+        save_atomically(on_cpu(best), output_dir / "weights" / "best.pth")
     save_atomically(state, output_dir / CHECKPOINT_NAME)

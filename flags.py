@@ -13,7 +13,7 @@ from pathlib import Path
 from checkpoint import CHECKPOINT_NAME, load_checkpoint
 from compute import CHANNELS_LAST_MIN_SIZE
 from demo_data import DEMO_DATA_PATH, make_demo_data
-from model import IMAGENET, create_model, load_weights, weights_file
+from model import DEFAULT_MODEL, IMAGENET, create_model, load_weights, model_names, weights_file
 from my_dataset import DataSplit, read_split_data
 from utils import (
     HelpFormatter,
@@ -33,6 +33,9 @@ DEFAULT_IMG_SIZE, DEFAULT_BATCH_SIZE = 224, 16
 # --demo trains on generated data with settings that finish in a few minutes on a laptop CPU; any flag given
 # on the command line still wins.
 DEMO_DEFAULTS = {"epochs": 8, "img_size": 48, "batch_size": 32, "lr": 0.01}
+# Weight decay by optimizer: SGD's is an L2 penalty added to the gradient, AdamW's is decoupled (applied to the
+# weights directly, as a share of the learning rate), and their usual values differ by that much.
+WEIGHT_DECAY = {"sgd": 1e-4, "adamw": 0.05}
 
 
 def build_parser(script: str, description: str) -> argparse.ArgumentParser:
@@ -63,6 +66,25 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
         help="training crop size; validation resizes to img-size*256/224 and centre-crops",
     )
     data.add_argument(
+        "--auto-augment",
+        choices=["none", "trivialaugment", "randaugment"],
+        default="none",
+        help="a random photometric or geometric change per training image after the crop and flip "
+        "(TrivialAugmentWide or RandAugment from torchvision)",
+    )
+    data.add_argument(
+        "--random-erase",
+        type=number(float, 0, 1),
+        default=0.0,
+        help="probability of erasing a random rectangle of each training image (RandomErasing)",
+    )
+    data.add_argument(
+        "--class-weights",
+        choices=["none", "balanced"],
+        default="none",
+        help="balanced: weigh each class's loss by the inverse of its share of the training images",
+    )
+    data.add_argument(
         "--workers",
         type=number(int, 0),
         help="data loader processes per training process (default: on a GPU, this process's share of the cores, "
@@ -86,12 +108,50 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
         default=0.1,
         help="final learning rate as a fraction of --lr (cosine decay)",
     )
+    opt.add_argument(
+        "--opt",
+        choices=["sgd", "adamw"],
+        default="sgd",
+        help="optimizer: SGD with momentum, or AdamW (decoupled weight decay)",
+    )
     opt.add_argument("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
     opt.add_argument(
         "--weight-decay",
         type=number(float, 0),
-        default=1e-4,
-        help="L2 penalty (the original used 5e-3; 1e-4 is usual for ResNets)",
+        help=f"weight decay (default: {WEIGHT_DECAY['sgd']:g} with SGD, usual for ResNets (the original used 5e-3); "
+        f"{WEIGHT_DECAY['adamw']:g} with AdamW)",
+    )
+    opt.add_argument(
+        "--warmup-epochs",
+        type=number(int, 0),
+        default=0,
+        help="epochs over which the learning rate rises linearly, step by step, before the cosine decay",
+    )
+    opt.add_argument(
+        "--accumulate",
+        type=positive_int,
+        default=1,
+        help="micro-batches of --batch-size whose gradients are summed before each step (a step then sees "
+        "batch-size x accumulate x world-size images, and the learning rate is scaled by that many batches)",
+    )
+    opt.add_argument(
+        "--label-smoothing",
+        type=number(float, 0, 1),
+        default=0.0,
+        help="share of each target spread evenly over all classes",
+    )
+    opt.add_argument(
+        "--mixup-alpha",
+        type=number(float, 0),
+        default=0.0,
+        help="mix pairs of training images and their targets by a Beta(alpha, alpha) share (0: off)",
+    )
+    opt.add_argument(
+        "--cutmix-alpha",
+        type=number(float, 0),
+        default=0.0,
+        help="paste a box of one training image into another, targets by area (0: off; with mixup, each step "
+        "takes one of the two at random)",
     )
     opt.add_argument(
         "--seed", type=number(int, 0), default=0, help="seeds weights, data split, shuffling and augmentation"
@@ -99,12 +159,33 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
 
     model = p.add_argument_group("model")
     model.add_argument(
+        "--model",
+        choices=model_names(),
+        default=DEFAULT_MODEL,
+        metavar="NAME",
+        help="any torchvision classification model: resnet18, resnet50, mobilenet_v3_small, efficientnet_b0, "
+        "convnext_tiny, ...",
+    )
+    model.add_argument(
         "--weights",
         type=lambda text: text if text == IMAGENET else Path(text),
-        help=f"initial weights: {IMAGENET} (torchvision's ImageNet-1K weights, downloaded once into torch's cache), "
-        "a torchvision ResNet-34 file, or weights or a checkpoint saved by these scripts",
+        help=f"initial weights: {IMAGENET} (torchvision's ImageNet-1K weights for --model, downloaded once into "
+        "torch's cache), a torchvision file for that model, or weights or a checkpoint saved by these scripts",
     )
-    switch(model, "--freeze-layers", False, "train only the final layer")
+    switch(model, "--freeze-layers", False, "train only the classifier head")
+    switch(
+        model,
+        "--model-ema",
+        False,
+        "keep an exponential moving average of the weights (BatchNorm statistics included), validated and "
+        "saved beside the model; best.pth is the better of the two",
+    )
+    model.add_argument(
+        "--ema-decay",
+        type=number(float, 0, 1, above_minimum=True),
+        default=0.999,
+        help="share of the average kept at each step (0.999: about the last 1,000 steps)",
+    )
 
     speed = p.add_argument_group("speed")
     speed.add_argument(
@@ -140,6 +221,12 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
         "--auto-resume",
         action="store_true",
         help="continue from --output-dir's checkpoint.pth when there is one, else start (for torchrun restarts)",
+    )
+    run.add_argument(
+        "--save-every",
+        type=number(int, 0),
+        default=0,
+        help="also keep weights/model-N.pth of every N-th epoch (0: keep only best.pth, last.pth and the checkpoint)",
     )
     run.add_argument(
         "--strict-images", action="store_true", help="stop on unreadable images instead of skipping them with a warning"
@@ -191,6 +278,10 @@ def parse_args(script: str, description: str, argv=None) -> argparse.Namespace:
     if args.demo:
         parser.set_defaults(**DEMO_DEFAULTS)
         args = parser.parse_args(argv)
+    if args.weight_decay is None:
+        args.weight_decay = WEIGHT_DECAY[args.opt]
+    if args.warmup_epochs >= args.epochs:
+        parser.error(f"--warmup-epochs {args.warmup_epochs} leaves no epoch of --epochs {args.epochs} to decay")
     return args
 
 
@@ -221,8 +312,9 @@ def prepare(args, world_size: int) -> Plan:
     check_split(args, split, data_path, world_size)
     weights = None
     if args.weights is not None:
-        weights = weights_file(args.weights)  # `imagenet`: downloaded here, before any worker starts
-        load_weights(create_model(len(split.classes)), weights)  # refuse an unusable file before starting
+        weights = weights_file(args.weights, args.model)  # `imagenet`: downloaded here, before any worker starts
+        # refuse an unusable file before starting
+        load_weights(create_model(len(split.classes), args.model), weights, name=args.model)
     resume, output_dir = resume_and_output(args, split, world_size)
     check_writable(output_dir)
     return Plan(Path(data_path), split, output_dir, weights, resume)
@@ -273,8 +365,9 @@ def resume_and_output(args, split: DataSplit, world_size: int) -> tuple[Path | N
 # different recipes (a new --epochs, say, would bend the learning-rate schedule half way). Speed flags (--amp,
 # --channels-last, --workers, --device, ...) may change: they change rounding, not the recipe.
 RECIPE_FLAGS = (
-    "epochs", "batch_size", "lr", "lrf", "momentum", "weight_decay", "seed", "val_rate", "img_size", "freeze_layers",
-    "sync_bn",
+    "model", "epochs", "batch_size", "lr", "lrf", "opt", "momentum", "weight_decay", "warmup_epochs", "accumulate",
+    "label_smoothing", "mixup_alpha", "cutmix_alpha", "auto_augment", "random_erase", "class_weights", "model_ema",
+    "ema_decay", "seed", "val_rate", "img_size", "freeze_layers", "sync_bn",
 )  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from compute import Compute, choose_compute
 from flags import DEFAULT_BATCH_SIZE, DEFAULT_IMG_SIZE
 from machine import core_budget
-from model import create_model, head_classes, load_weights, read_state_dict
+from model import DEFAULT_MODEL, create_model, head_classes, load_weights, read_state_dict
 from my_dataset import MyDataSet, val_transform
 from utils import UserError, number, positive_int, safe_load
 
@@ -46,7 +46,7 @@ def run_file(weights: Path, name: str) -> Path | None:
 
 
 def run_folder(weights: Path) -> Path:
-    """The run folder: the one that holds weights/ for model-N.pth and best.pth, else the weights' own folder."""
+    """The run folder: the one that holds weights/ for best.pth, last.pth ..., else the weights' own folder."""
     return weights.parent.parent if weights.parent.name == "weights" else weights.parent
 
 
@@ -72,11 +72,12 @@ def class_names(indices, path: Path) -> list[str]:
 
 
 def load_trained_model(weights: Path, class_indices: Path | None, device: torch.device) -> TrainedModel:
-    """The network of a weights file (model-N.pth, best.pth or a run's checkpoint.pth) with its class names.
+    """The network of a weights file (best.pth, last.pth, model-N.pth or a run's checkpoint.pth) with its class
+    names.
 
     Class names come from `class_indices` if given, else from the run's class_indices.json, else from the
     checkpoint's "classes"; the run's flags from its args.json, else from the checkpoint's "args". The weights must
-    fit exactly: a ResNet-34 whose head has one output per class name.
+    fit exactly: the run's --model (ResNet-34 for runs that do not say) with one output per class name.
     """
     state_dict = read_state_dict(weights)
     indices_file = class_indices or run_file(weights, "class_indices.json")
@@ -99,14 +100,15 @@ def load_trained_model(weights: Path, class_indices: Path | None, device: torch.
     if not isinstance(run_args, dict):
         raise UserError(f"run flags file {args_file} does not hold the flags of a run (a JSON object)")
 
-    head = head_classes(state_dict)
+    architecture = run_args.get("model", DEFAULT_MODEL)
+    head = head_classes(state_dict, architecture)
     if head is not None and head != len(classes):
         raise UserError(
             f"weights file {weights} has a head for {head} classes, "
             f"but {classes_from} names {len(classes)}: {', '.join(classes)}"
         )
-    model = create_model(len(classes))
-    load_weights(model, state_dict, strict=True)
+    model = create_model(len(classes), architecture)
+    load_weights(model, state_dict, strict=True, name=architecture)
     # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
     compute, _ = choose_compute(
         run_args.get("amp", "off"), run_args.get("channels_last", False), device, run_args.get("img_size", 224)
@@ -121,7 +123,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--weights",
         type=Path,
         required=True,
-        help="a run's weights: weights/model-N.pth, weights/best.pth or checkpoint.pth",
+        help="a run's weights: weights/best.pth, weights/last.pth, weights/model-N.pth or checkpoint.pth",
     )
     parser.add_argument(
         "--class-indices",

@@ -1,7 +1,15 @@
-"""The network (torchvision's ResNet-34), finding the weights file `--weights` names (ImageNet weights from
-torchvision's cache, downloaded there once), and loading pretrained or previously saved weights into it."""
+"""The network (any torchvision classification model; ResNet-34 by default), finding the weights file `--weights`
+names (that model's ImageNet weights from torchvision's cache, downloaded there once), and loading pretrained or
+previously saved weights into it.
+
+Every architecture-specific name lives here. The one that differs most between models is the classifier head
+(`fc` in a ResNet, `classifier.3` in MobileNetV3, `heads.head` in a ViT): `head_names` finds it for any model as
+the tensors whose shape changes with the number of classes, so replacing, freezing around and loading past the
+head need no table of models.
+"""
 
 import fcntl
+import functools
 import http.client
 import os
 import socket
@@ -11,40 +19,72 @@ from urllib.error import HTTPError, URLError
 from urllib.parse import urlparse
 
 import torch
+import torchvision
 from torch import nn
-from torchvision.models import ResNet34_Weights, resnet34
+from torchvision.models import get_model, get_model_weights, list_models
 
 from utils import UserError, safe_load
 
 # Prefixes that wrappers add to parameter names: DataParallel/DDP ("module.") and torch.compile ("_orig_mod.").
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-ARCHITECTURE = "ResNet-34"
-HEAD_PREFIX = "fc."  # the classifier, replaced when the number of classes differs
+DEFAULT_MODEL = "resnet34"
+# The models with a second, auxiliary classifier, whose training-mode output is a tuple: built without it here
+# (its ImageNet tensors are then ignored when loading).
+BUILD_OPTIONS = {name: {"aux_logits": False, "init_weights": True} for name in ("googlenet", "inception_v3")}
 
-IMAGENET = "imagenet"  # `--weights imagenet`: torchvision's ImageNet-1K weights for ResNet-34
-IMAGENET_WEIGHTS = ResNet34_Weights.IMAGENET1K_V1  # resnet34-b627a593.pth, 1000-class head
+IMAGENET = "imagenet"  # `--weights imagenet`: torchvision's ImageNet-1K weights for the model
 # torch.hub sets no timeout of its own, so a network that drops packets would hang the download for minutes (a
 # stalled read, for ever). This bounds each connection attempt and each read; pip's default is the same.
 DOWNLOAD_TIMEOUT_S = 15
 
 
-def create_model(num_classes: int) -> nn.Module:
-    return resnet34(num_classes=num_classes)
+def model_names() -> list[str]:
+    """torchvision's classification models (alexnet ... wide_resnet101_2), the choices of --model."""
+    return list_models(module=torchvision.models)
 
 
-def weights_file(spec: str | os.PathLike) -> Path:
-    """The file that `--weights spec` names, for load_weights.
+def check_model_name(name: str) -> str:
+    if name not in model_names():
+        raise UserError(
+            f"--model {name} is not a torchvision classification model; choose from {', '.join(model_names())}"
+        )
+    return name
 
-    The word "imagenet" (IMAGENET, as a str) names torchvision's ImageNet weights for ResNet-34: see
+
+def create_model(num_classes: int, name: str = DEFAULT_MODEL) -> nn.Module:
+    """torchvision's `name` with a freshly initialised head of `num_classes` outputs."""
+    return get_model(check_model_name(name), num_classes=num_classes, **BUILD_OPTIONS.get(name, {}))
+
+
+@functools.cache
+def head_names(name: str = DEFAULT_MODEL) -> frozenset[str]:
+    """The names of the model's classifier tensors: those whose shape depends on the number of classes.
+
+    Found by building the model (without memory: on the meta device) for two class counts and comparing.
+    """
+    with torch.device("meta"):
+        two, three = (create_model(classes, name).state_dict() for classes in (2, 3))
+    return frozenset(key for key, tensor in two.items() if tensor.shape != three[key].shape)
+
+
+def weights_file(spec: str | os.PathLike, name: str = DEFAULT_MODEL) -> Path:
+    """The file that `--weights spec` names for model `name`, for load_weights.
+
+    The word "imagenet" (IMAGENET, as a str) names torchvision's ImageNet weights for the model: see
     imagenet_weights_file, which downloads them if they are not cached yet. Anything else is a path, returned as
     it is (load_weights says so when it does not exist); a file that is really called "imagenet" is `./imagenet`.
     """
     if isinstance(spec, str) and spec == IMAGENET:
-        return imagenet_weights_file()
+        return imagenet_weights_file(imagenet_weights_url(name))
     return Path(spec)
 
 
-def imagenet_weights_file(url: str = IMAGENET_WEIGHTS.url) -> Path:
+def imagenet_weights_url(name: str = DEFAULT_MODEL) -> str:
+    """Where torchvision keeps its ImageNet weights for model `name` (its DEFAULT, the best of them)."""
+    return get_model_weights(check_model_name(name)).DEFAULT.url
+
+
+def imagenet_weights_file(url: str) -> Path:
     """torchvision's ImageNet weights file in torchvision's cache, downloaded from `url` first if not there yet.
 
     The cache is the one torchvision's own `weights.get_state_dict()` uses: torch.hub.get_dir()/checkpoints
@@ -125,8 +165,9 @@ def read_state_dict(path) -> dict:
     return strip_wrapper_prefixes(data)
 
 
-def load_weights(model: nn.Module, source, strict: bool = False) -> LoadReport:
-    """Load a weights file (or a state dict read from one) into `model`; returns what was loaded and skipped.
+def load_weights(model: nn.Module, source, strict: bool = False, name: str = DEFAULT_MODEL) -> LoadReport:
+    """Load a weights file (or a state dict read from one) into `model`, torchvision's `name`; returns what was
+    loaded and skipped.
 
     Lenient (for --weights, starting a run): tensors of another shape, normally a head for another number of
     classes, are skipped and left as initialised; anything else that does not fit is refused. Strict (for a run's
@@ -135,14 +176,14 @@ def load_weights(model: nn.Module, source, strict: bool = False) -> LoadReport:
     state_dict = source if isinstance(source, dict) else read_state_dict(source)
     own = model.state_dict()
     report = LoadReport()
-    for name, tensor in state_dict.items():
-        if name not in own:
-            report.unexpected.append(name)
-        elif own[name].shape != tensor.shape:
-            report.skipped_shape.append(name)
+    for key, tensor in state_dict.items():
+        if key not in own:
+            report.unexpected.append(key)
+        elif own[key].shape != tensor.shape:
+            report.skipped_shape.append(key)
         else:
-            report.loaded.append(name)
-    report.missing = [name for name in own if name not in state_dict]
+            report.loaded.append(key)
+    report.missing = [key for key in own if key not in state_dict]
     what = f"weights file {source}" if not isinstance(source, dict) else "the weights"
     if strict:
         misfits = report.missing + report.unexpected + report.skipped_shape
@@ -151,27 +192,29 @@ def load_weights(model: nn.Module, source, strict: bool = False) -> LoadReport:
             raise UserError(f"{what} has no tensor that fits this model (is it for another architecture?)")
         # Only the classifier head may differ (another class count); files older than torchvision 0.4.1 (such as
         # resnet34-333f7ec4.pth) lack the num_batches_tracked counters. Anything else means another network.
+        head = head_names(name)
         misfits = [
-            name
-            for name in report.missing + report.skipped_shape
-            if not name.startswith(HEAD_PREFIX) and not name.endswith("num_batches_tracked")
+            key
+            for key in report.missing + report.skipped_shape
+            if key not in head and not key.endswith("num_batches_tracked")
         ]
     if misfits:
         raise UserError(
-            f"{what} does not fit {ARCHITECTURE}: {len(misfits)} tensors missing, extra or of another shape "
+            f"{what} does not fit {name}: {len(misfits)} tensors missing, extra or of another shape "
             f"({', '.join(misfits[:3])}{', ...' if len(misfits) > 3 else ''}); is it for another architecture?"
         )
-    model.load_state_dict({name: state_dict[name] for name in report.loaded}, strict=strict)
+    model.load_state_dict({key: state_dict[key] for key in report.loaded}, strict=strict)
     return report
 
 
-def head_classes(state_dict: dict) -> int | None:
-    """The number of classes the weights' classifier head predicts, or None if they hold no head."""
-    head = state_dict.get(HEAD_PREFIX + "weight")
-    return None if head is None else head.shape[0]
+def head_classes(state_dict: dict, name: str = DEFAULT_MODEL) -> int | None:
+    """The number of classes the weights' classifier head (for model `name`) predicts, or None if they hold none."""
+    head = [state_dict[key] for key in sorted(head_names(name)) if key in state_dict]
+    return head[0].shape[0] if head else None
 
 
-def freeze_all_but_head(model: nn.Module) -> None:
-    """Train only the final fully connected layer (transfer learning from pretrained features)."""
-    for name, parameter in model.named_parameters():
-        parameter.requires_grad_(name.startswith(HEAD_PREFIX))
+def freeze_all_but_head(model: nn.Module, name: str = DEFAULT_MODEL) -> None:
+    """Train only the classifier head (transfer learning from pretrained features)."""
+    head = head_names(name)
+    for key, parameter in model.named_parameters():
+        parameter.requires_grad_(key in head)

@@ -115,19 +115,23 @@ class Preset(v2.Compose):
         self.min_side = min_side
 
 
-def train_transform(img_size: int) -> Preset:
-    """Random crop and flip, as for ImageNet training.
+def train_transform(img_size: int, auto_augment: str = "none", random_erase: float = 0.0) -> Preset:
+    """Random crop and flip, as for ImageNet training; then, if asked, TrivialAugmentWide or RandAugment (one or
+    two random changes of colour, contrast, geometry ... per image), and random erasing of a rectangle.
 
     The image becomes a uint8 tensor first: cropping, resizing and flipping 8-bit pixels is cheaper than on
     PIL images or floats (measured 1.33 against 1.63 ms an image at 224 px), and only the final crop is
-    converted to float and normalised.
+    converted to float and normalised (erasing comes after: it fills with 0, the mean colour once normalised).
     """
     crop = v2.RandomResizedCrop(img_size, antialias=True)
     # The smallest crop RandomResizedCrop takes (its smallest area fraction, at its most elongated aspect) spans
     # sqrt(scale * aspect) of the image's shorter side, and should still hold img_size pixels.
     narrowest = min(crop.ratio[0], 1 / crop.ratio[1])
     min_side = math.ceil(img_size / math.sqrt(crop.scale[0] * narrowest))
-    return Preset([v2.ToImage(), crop, v2.RandomHorizontalFlip(), *to_normalised_float()], min_side)
+    augment = {"none": [], "trivialaugment": [v2.TrivialAugmentWide()], "randaugment": [v2.RandAugment()]}
+    erase = [v2.RandomErasing(random_erase)] if random_erase > 0 else []
+    steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip(), *augment[auto_augment], *to_normalised_float(), *erase]
+    return Preset(steps, min_side)
 
 
 def val_transform(img_size: int) -> Preset:

@@ -12,18 +12,18 @@ import time
 from pathlib import Path
 
 import torch
-from torch.optim import lr_scheduler
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from checkpoint import CHECKPOINT_NAME, load_checkpoint, restore, save_epoch, training_state
 from compute import Compute, choose_compute
 from flags import Plan
 from machine import core_budget
-from model import create_model, freeze_all_but_head, load_weights
+from model import DEFAULT_MODEL, create_model, freeze_all_but_head, load_weights
 from multi_train_utils.distributed_utils import Process, broadcast_object, is_main_process, on_main_process
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 from my_dataset import DataSplit, MyDataSet, SeededBatchSampler, SeededSamples, train_transform, val_transform
+from recipe import Objective, balanced_class_weights, build_optimizer, model_ema
 from run_log import RunLog, epoch_metrics, run_record
 from utils import OutputError, describe
 
@@ -39,24 +39,29 @@ def train(args, plan: Plan, process: Process) -> dict:
     train_loader, val_loader = build_loaders(
         split, img_size=args.img_size, batch_size=args.batch_size, seed=args.seed, world_size=process.world_size,
         rank=process.rank, workers=workers, persistent_workers=args.persistent_workers,
+        auto_augment=args.auto_augment, random_erase=args.random_erase,
     )  # fmt: skip
     compute, why = choose_compute(args.amp, args.channels_last, device, args.img_size)
     say(why)
     model, plain_model = build_model(
-        len(classes), device, compute, seed=args.seed, weights=plan.weights, freeze=args.freeze_layers,
-        sync_bn=args.sync_bn, distributed=process.distributed, data_parallel=args.data_parallel,
-        compile=args.compile,
+        len(classes), device, compute, name=args.model, seed=args.seed, weights=plan.weights,
+        freeze=args.freeze_layers, sync_bn=args.sync_bn, distributed=process.distributed,
+        data_parallel=args.data_parallel, compile=args.compile,
     )  # fmt: skip
     optimizer, scheduler = build_optimizer(
-        model, lr=args.lr, world_size=process.world_size, momentum=args.momentum,
-        weight_decay=args.weight_decay, epochs=args.epochs, lrf=args.lrf,
+        model, opt=args.opt, lr=args.lr, world_size=process.world_size, accumulate=args.accumulate,
+        momentum=args.momentum, weight_decay=args.weight_decay, epochs=args.epochs, lrf=args.lrf,
+        steps_per_epoch=math.ceil(len(train_loader) / args.accumulate), warmup_epochs=args.warmup_epochs,
     )  # fmt: skip
-    say(f"Learning rate {optimizer.param_groups[0]['lr']:g} (--lr {args.lr:g} x world size {process.world_size}); "
-        f"global batch {args.batch_size * process.world_size}")  # fmt: skip
+    objective = build_objective(args, split)
+    ema = model_ema(plain_model, args.ema_decay) if args.model_ema else None
+    say(f"Learning rate {optimizer.param_groups[0]['initial_lr']:g} (--lr {args.lr:g} x {process.world_size} "
+        f"process(es) x {args.accumulate} micro-batch(es)) for a global batch of "
+        f"{args.batch_size * process.world_size * args.accumulate}")  # fmt: skip
     scaler = compute.grad_scaler(device)
     start_epoch, best_acc = 0, -1.0
     if plan.resume is not None:
-        start_epoch, best_acc = restore(load_checkpoint(plan.resume), plain_model, optimizer, scheduler, scaler)
+        start_epoch, best_acc = restore(load_checkpoint(plan.resume), plain_model, optimizer, scheduler, scaler, ema)
         say(f"Resuming from {plan.resume}: epoch {start_epoch} of {args.epochs}, best val acc so far {best_acc:.3f}")
     run = run_record(
         args, data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=output_dir,
@@ -70,34 +75,56 @@ def train(args, plan: Plan, process: Process) -> dict:
     for epoch in range(start_epoch, args.epochs):
         train_loader.batch_sampler.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
         lr, start = optimizer.param_groups[0]["lr"], time.perf_counter()
-        train_loss, images = train_one_epoch(model, optimizer, train_loader, device, epoch, compute, scaler, limits[0])
+        train_loss, images = train_one_epoch(
+            model, optimizer, train_loader, device, epoch, compute, scaler, limits[0], objective=objective,
+            scheduler=scheduler, accumulate=args.accumulate, ema=ema,
+        )  # fmt: skip
         train_seconds = time.perf_counter() - start
-        scheduler.step()
-        confusion = evaluate(plain_model, val_loader, device, len(classes), compute, limits[1])
+        confusion, ema_metrics, better = validate(
+            plain_model, ema, val_loader, device, len(classes), compute, limits[1]
+        )
         metrics = epoch_metrics(
             epoch, train_loss, images, train_seconds, time.perf_counter() - start, confusion, lr,
             process.world_size, device, expected,
-        )  # fmt: skip
-        improved, best_acc = metrics["val_acc"] > best_acc, max(best_acc, metrics["val_acc"])
+        ) | ema_metrics  # fmt: skip
+        accuracy = max(metrics["val_acc"], metrics.get("ema_val_acc", -1.0))
+        best, best_acc = better if accuracy > best_acc else None, max(best_acc, accuracy)
         state = functools.partial(  # the checkpoint's contents, gathered by rank 0 alone, when it saves
-            training_state, epoch, plain_model, optimizer, scheduler, scaler, best_acc, classes, process.world_size, run
-        )
+            training_state, epoch, plain_model, optimizer, scheduler, scaler, best_acc, classes, process.world_size,
+            run, ema,
+        )  # fmt: skip
         # Rank 0 writes; no rank starts the next epoch before this one's checkpoint is on disk, or goes on if not.
-        on_main_process(write_epoch, log, metrics, best_acc, plain_model, compute, output_dir, improved, state)
+        on_main_process(write_epoch, log, metrics, best_acc, plain_model, best, compute, output_dir, args, state)
     log.close()
     say(f"Done: best val acc {best_acc:.3f}; weights in {output_dir / 'weights'}")
     return metrics
 
 
-def write_epoch(log: RunLog, metrics, best_acc, plain_model, compute, output_dir: Path, improved, state) -> None:
-    """Everything an epoch leaves on disk: its log lines, its weights, then the checkpoint (`state()`)."""
+def write_epoch(log: RunLog, metrics, best_acc, plain_model, best, compute, output_dir: Path, args, state) -> None:
+    """Everything an epoch leaves on disk: its log lines, its weights (and `best`'s, when it improved on the best
+    accuracy), then the checkpoint (`state()`)."""
+    epoch = metrics["epoch"]
     try:
         log.epoch(metrics, best_acc, plain_model, compute)
-        save_epoch(output_dir, metrics["epoch"], plain_model.state_dict(), improved, state())
+        keep = args.save_every > 0 and (epoch + 1) % args.save_every == 0
+        best_weights = best.state_dict() if best is not None else None
+        save_epoch(output_dir, epoch, plain_model.state_dict(), best_weights, state(), keep=keep)
     except OutputError as error:
         last = output_dir / CHECKPOINT_NAME  # each finished epoch wrote one: it is the epoch before this one's
-        kept = f"{last} (epoch {metrics['epoch'] - 1}) is untouched" if last.exists() else "no checkpoint yet"
+        kept = f"{last} (epoch {epoch - 1}) is untouched" if last.exists() else "no checkpoint yet"
         raise OutputError(f"{error}; stopped, {kept}: make room, then continue with --resume {last}") from None
+
+
+def validate(plain_model, ema, val_loader, device, num_classes: int, compute: Compute, max_skipped):
+    """The epoch's validation: the model's confusion matrix; with an EMA, its accuracy too (as `ema_` metrics);
+    and which of the two validated better (the EMA's module on a tie goes to the model)."""
+    confusion = evaluate(plain_model, val_loader, device, num_classes, compute, max_skipped)
+    if ema is None:
+        return confusion, {}, plain_model
+    averaged = evaluate(ema.module, val_loader, device, num_classes, compute, max_skipped)
+    accuracies = [float(matrix.trace() / matrix.sum().clamp(min=1)) for matrix in (confusion, averaged)]
+    ema_metrics = {"ema_val_acc": accuracies[1], "ema_val_correct": int(averaged.trace())}
+    return confusion, ema_metrics, ema.module if accuracies[1] > accuracies[0] else plain_model
 
 
 def say(*message) -> None:
@@ -130,10 +157,13 @@ def build_loaders(
     workers: int = 0,
     persistent_workers: bool = True,
     pin_memory: bool = False,
+    auto_augment: str = "none",
+    random_erase: float = 0.0,
 ) -> tuple[DataLoader, DataLoader]:
     """This rank's training loader (its shard of a seeded shuffle, augmentation seeded per sample) and its
     validation loader (images rank, rank + world_size, ...: every image counted once over the ranks)."""
-    train_set = SeededSamples(MyDataSet(split.train_images, split.train_labels, train_transform(img_size)))
+    augment = train_transform(img_size, auto_augment=auto_augment, random_erase=random_erase)
+    train_set = SeededSamples(MyDataSet(split.train_images, split.train_labels, augment))
     val_set = MyDataSet(split.val_images, split.val_labels, val_transform(img_size))
     # One sampler for every launch mode: a world of one is DistributedSampler(num_replicas=1). Shards are disjoint
     # (drop_last: the sampler drops the tail instead of repeating images to even them out), and incomplete
@@ -156,6 +186,7 @@ def build_model(
     device: torch.device,
     compute: Compute = Compute(),
     *,
+    name: str = DEFAULT_MODEL,
     seed: int = 0,
     weights: Path | None = None,
     freeze: bool = False,
@@ -164,18 +195,18 @@ def build_model(
     data_parallel: bool = False,
     compile: bool = False,
 ):
-    """ResNet-34 with its initial weights (seeded, or from `weights`), on `device` in the compute's memory
-    layout; in DDP wrapped, with SyncBatchNorm when `sync_bn`.
+    """torchvision's model `name` with its initial weights (seeded, or from `weights`), on `device` in the
+    compute's memory layout; in DDP wrapped, with SyncBatchNorm when `sync_bn`.
 
     Returns (the model to train, the same model without the DDP wrapper or compilation, for evaluating and
     saving: its parameter names carry no "module." or "_orig_mod." prefix).
     """
     torch.manual_seed(seed)  # the same initial weights in every process; DDP also broadcasts rank 0's
-    model = create_model(num_classes)
+    model = create_model(num_classes, name)
     if weights is not None:
-        say(f"Weights from {weights}: {load_weights(model, weights).summary()}")
+        say(f"Weights from {weights}: {load_weights(model, weights, name=name).summary()}")
     if freeze:
-        freeze_all_but_head(model)
+        freeze_all_but_head(model, name)
     model.to(device, memory_format=compute.memory_format)
     plain = model
     if data_parallel:
@@ -201,20 +232,12 @@ def data_parallel_over_gpus(model, device: torch.device):
     return torch.nn.DataParallel(model, device_ids=[device.index, *(i for i in range(gpus) if i != device.index)])
 
 
-def build_optimizer(
-    model, *, lr: float, world_size: int, momentum: float, weight_decay: float, epochs: int, lrf: float
-):
-    """SGD with momentum over the trainable parameters, and the cosine schedule from the rate down to rate * lrf.
-
-    The rate is `lr` times the world size: DDP averages gradients over a global batch that many times larger.
-    """
-    rate = lr * world_size
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=rate, momentum=momentum, weight_decay=weight_decay)
-    scheduler = lr_scheduler.LambdaLR(optimizer, lambda epoch: cosine_factor(epoch, epochs, lrf))
-    return optimizer, scheduler
-
-
-def cosine_factor(epoch: int, epochs: int, lrf: float) -> float:
-    """Learning-rate factor: 1 at the first epoch, falling along a half cosine to lrf after the last."""
-    return ((1 + math.cos(epoch * math.pi / epochs)) / 2) * (1 - lrf) + lrf
+def build_objective(args, split: DataSplit) -> Objective:
+    """The loss the flags ask for: label smoothing, class weights from the training split, mixup and cutmix."""
+    weights = (
+        balanced_class_weights(split.train_labels, len(split.classes)) if args.class_weights == "balanced" else None
+    )
+    if weights is not None:
+        shown = (f"{name} {weight:.2f}" for name, weight in zip(split.classes, weights.tolist(), strict=True))
+        say("Class weights (balanced): " + ", ".join(shown))
+    return Objective(args.label_smoothing, weights, args.mixup_alpha, args.cutmix_alpha, args.seed)

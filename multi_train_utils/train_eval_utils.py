@@ -1,14 +1,15 @@
 """One training epoch and one evaluation pass, the same for one process and for DDP."""
 
+import contextlib
 import sys
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from compute import Compute
 from multi_train_utils.distributed_utils import is_main_process, reduce_value
 from my_dataset import SKIPPED
+from recipe import Objective
 from utils import UserError
 
 
@@ -18,48 +19,83 @@ class NonFiniteLossError(UserError):
 
 
 def train_one_epoch(
-    model, optimizer, data_loader, device, epoch: int, compute: Compute = Compute(), scaler=None, max_skipped=None
+    model,
+    optimizer,
+    data_loader,
+    device,
+    epoch: int,
+    compute: Compute = Compute(),
+    scaler=None,
+    max_skipped=None,
+    *,
+    objective: Objective | None = None,
+    scheduler=None,
+    accumulate: int = 1,
+    ema=None,
 ) -> tuple[float, int]:
     """Train for one epoch; returns (mean loss over every sample of every rank, images trained on by all ranks).
 
-    The per-step loss is summed over the ranks, weighted by batch size, so the bar shows the same running mean
-    on any world size and every rank sees a non-finite loss together. `scaler` is a torch.amp.GradScaler, needed
-    for float16 only (its narrow range would underflow small gradients); disabled or None, steps are plain.
-    Images that could not be read (labelled SKIPPED) are left out of the loss; the count of them, summed over
-    the ranks with the loss, stops every rank at the same step once it passes `max_skipped` (None: no limit).
+    Each step sums the gradients of `accumulate` micro-batches (the last step of an epoch those that are left)
+    before the optimizer steps; in DDP only the last of them synchronises (`no_sync` for the others), so a step
+    costs one all-reduce of the gradients whatever `accumulate` is. After each optimizer step the `scheduler`
+    steps and the `ema` (an AveragedModel) takes in the new weights. The loss is `objective`'s (plain
+    cross-entropy when None).
+
+    The per-micro-batch loss is summed over the ranks, weighted by batch size, so the bar shows the same running
+    mean on any world size and every rank sees a non-finite loss together. `scaler` is a torch.amp.GradScaler,
+    needed for float16 only (its narrow range would underflow small gradients); disabled or None, steps are
+    plain. Images that could not be read (labelled SKIPPED) are left out of the loss; the count of them, summed
+    over the ranks with the loss, stops every rank at the same step once it passes `max_skipped` (None: no limit).
     """
     device = torch.device(device)
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
+    objective = objective or Objective()
     model.train()
-    loss_function = nn.CrossEntropyLoss(ignore_index=SKIPPED)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # (sum of sample losses, samples, skipped)
     progress = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process())
-    for images, labels in progress:
+    optimizer.zero_grad(set_to_none=True)
+    for step, (images, labels) in enumerate(progress):
+        group = min(accumulate, len(data_loader) - step // accumulate * accumulate)  # micro-batches in this step
+        last_of_group = (step + 1) % accumulate == 0 or step + 1 == len(data_loader)
         read = int((labels != SKIPPED).sum())
         images, labels = compute.batch_to(images, device), labels.to(device, non_blocking=device.type == "cuda")
-        with compute.autocast(device):
-            outputs = model(images)
-            # A batch of nothing but skipped images still takes its step (every rank steps together): loss 0.
-            loss = loss_function(outputs, labels) if read else outputs.sum() * 0.0
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
+        images, mixing = objective.mix(images, epoch, step)
+        with synchronised(model, last_of_group):
+            with compute.autocast(device):
+                outputs = model(compute.batch_to(images, device))  # batch_to again: mixing may change the layout
+                # A batch of nothing but skipped images still takes its step (every rank steps together): loss 0.
+                loss_sum = objective.loss_sum(outputs, labels, mixing)
+                loss = loss_sum / read if read else outputs.sum() * 0.0
+            scaler.scale(loss / group).backward()
 
         # (sum of the step's sample losses, samples, skipped images), over every rank
-        step = torch.tensor([loss.item() * read, read, len(labels) - read], dtype=torch.float64, device=device)
-        step = reduce_value(step, average=False)
-        if not torch.isfinite(step[0]):
+        step_totals = torch.tensor([loss_sum.item(), read, len(labels) - read], dtype=torch.float64, device=device)
+        step_totals = reduce_value(step_totals, average=False)
+        if not torch.isfinite(step_totals[0]):
             raise NonFiniteLossError(
                 f"non-finite loss at epoch {epoch}: stopped; lower --lr or check the data "
                 "(the last checkpoint is from before this epoch)"
             )
-        totals += step
+        totals += step_totals
         if max_skipped is not None and totals[2] > max_skipped:
             raise UserError(too_many_skipped(int(totals[2]), max_skipped, f"epoch {epoch}'s training images"))
-        scaler.step(optimizer)  # with float16, skips the step (and lowers the scale) if a gradient overflowed
-        scaler.update()
+        if last_of_group:
+            scaler.step(optimizer)  # with float16, skips the step (and lowers the scale) if a gradient overflowed
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+            if ema is not None:
+                ema.update_parameters(model)
         progress.set_postfix(mean_loss=f"{(totals[0] / totals[1].clamp(min=1)).item():.3f}")
     total_loss, total_images, _ = totals.tolist()
     return total_loss / max(total_images, 1), int(total_images)
+
+
+def synchronised(model, sync: bool):
+    """DDP's gradient all-reduce in this backward pass when `sync`; no_sync() (gradients only summed locally)
+    for the micro-batches before the last of a step. Models without DDP need neither."""
+    return contextlib.nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()
 
 
 def too_many_skipped(skipped: int, limit: int, of_what: str) -> str:

@@ -117,8 +117,9 @@ def assert_user_error(result, fragment: str):
     assert "Traceback" not in result.stderr
 
 
-def final_weights(out: Path, epoch: int = 1) -> dict:
-    return torch.load(out / "weights" / f"model-{epoch}.pth", weights_only=True)
+def final_weights(out: Path) -> dict:
+    """The weights of a run's last epoch."""
+    return torch.load(out / "weights" / "last.pth", weights_only=True)
 
 
 def metrics_without_timings(out: Path) -> list[dict]:

@@ -46,7 +46,7 @@ def bad_weights(tmp_path, kind):
 
 @pytest.mark.parametrize(
     "kind, fragment",
-    [("missing", "does not exist"), ("text", "refused by the safe loader"), ("resnet18", "does not fit ResNet-34")],
+    [("missing", "does not exist"), ("text", "refused by the safe loader"), ("resnet18", "does not fit resnet34")],
 )
 def test_unusable_weights_are_one_line_and_exit_2(tiny_data, tmp_path, run_main, kind, fragment):
     result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--weights", bad_weights(tmp_path, kind),

@@ -26,7 +26,8 @@ from model import create_model
 from multi_train_utils.distributed_utils import reduce_value
 from multi_train_utils.train_eval_utils import train_one_epoch
 from my_dataset import read_split_data
-from training import build_loaders, build_model, build_optimizer
+from recipe import build_optimizer
+from training import build_loaders, build_model
 
 B = 4  # images per rank per step
 SIZE = 32  # in float64 the steps agree to 4e-13 at 32 px too (1e-14 at 64), at a quarter of the work
@@ -38,7 +39,7 @@ TOLERANCE = 1e-10  # float64 rounding is about 1e-14 here; a semantic difference
 
 
 # The scripts' recipe apart from the rate: SGD with momentum and weight decay, the cosine schedule.
-RECIPE = dict(momentum=0.9, weight_decay=1e-4, epochs=10, lrf=0.1)
+RECIPE = dict(momentum=0.9, weight_decay=1e-4, epochs=10, lrf=0.1, steps_per_epoch=1)
 
 
 def global_batches(steps):
@@ -50,7 +51,7 @@ def global_batches(steps):
     ]
 
 
-def group_norm_resnet(num_classes):
+def group_norm_resnet(num_classes, name=None):
     """ResNet-34 whose normalisation uses each image alone (GroupNorm): no statistic crosses samples."""
     return resnet34(num_classes=num_classes, norm_layer=lambda channels: nn.GroupNorm(8, channels))
 
@@ -175,3 +176,35 @@ def test_augmented_tensors_do_not_depend_on_the_number_of_loader_workers(tiny_da
         for workers in (1, 2):
             assert torch.equal(epoch_tensors(workers, epoch), reference), (workers, epoch)
     assert not torch.equal(epoch_tensors(0, 0), epoch_tensors(0, 1))
+
+
+def _train_accumulated(rank, world_size, lr, result_path):
+    """The per-image-normalised network trained STEPS steps in this process of `world_size`, each step summing
+    the gradients of two micro-batches: the halves of this rank's rows of a global batch (--accumulate 2)."""
+    torch.set_default_dtype(torch.float64)
+    rows = slice(rank * 2 * B // world_size, (rank + 1) * 2 * B // world_size)
+    micro_batches = []
+    for images, labels in global_batches(STEPS):
+        images, labels, half = images[rows], labels[rows], B // world_size
+        micro_batches += [(images[:half], labels[:half]), (images[half:], labels[half:])]
+    with mock.patch.object(training, "create_model", group_norm_resnet):
+        model, bare = build_model(5, torch.device("cpu"), distributed=world_size > 1)
+    optimizer, _ = build_optimizer(model, lr=lr, world_size=world_size, accumulate=2, **RECIPE)
+    loss, images = train_one_epoch(model, optimizer, micro_batches, "cpu", 0, accumulate=2)
+    if rank == 0:
+        torch.save({"loss": loss, "images": images, "state": snapshot(bare)}, result_path)
+
+
+@pytest.mark.guarantee
+def test_accumulating_two_micro_batches_takes_the_step_of_one_batch_twice_as_large(both_ways, tmp_path):
+    # --accumulate 2 scales the rate by 2 as DDP scales it by the world size: the same global batch, the same rate
+    spawn_world(_train_accumulated, 1, LR, tmp_path / "one.pt")  # one process: micro-batches of B
+    spawn_world(_train_accumulated, 2, LR / 2, tmp_path / "ddp.pt")  # DDP: micro-batches of B / 2 on each rank
+    whole = both_ways[1]["group_norm"]  # one process, one step on all 2B images at a time
+    for path in ("one.pt", "ddp.pt"):
+        accumulated = torch.load(tmp_path / path)
+        assert accumulated["images"] == STEPS * 2 * B
+        assert max_difference(accumulated["state"], whole["state"]) <= TOLERANCE, path
+        # the logged loss is the mean over every image, as without accumulation
+        expected = (whole["loss_1"] * 2 * B + whole["loss"] * (STEPS - 1) * 2 * B) / (STEPS * 2 * B)
+        assert abs(accumulated["loss"] - expected) <= TOLERANCE, path

@@ -23,7 +23,7 @@ def last_epoch_evaluation(trained_run, last_metrics, tmp_path_factory):
     """evaluate.py on the last epoch's weights, every flag but --output-dir left to the run's: (stdout, eval.json,
     output folder)."""
     output_dir = tmp_path_factory.mktemp("evaluation") / "eval"
-    weights = trained_run[0] / "weights" / f"model-{last_metrics['epoch']}.pth"
+    weights = trained_run[0] / "weights" / "last.pth"
     result = run_script("evaluate.py", "--weights", weights, "--output-dir", output_dir)
     assert result.returncode == 0, result.stderr
     return result.stdout, json.loads((output_dir / "eval.json").read_text()), output_dir

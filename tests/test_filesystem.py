@@ -44,7 +44,7 @@ def test_a_full_disk_while_saving_stops_the_run_in_one_line_and_resume_continues
     result = run_script("train_single_gpu.py", *flags, env=fault_env(DISK_FULL_AT_EPOCH_1))
     assert result.returncode == 2, result.stderr
     line = assert_stopped_cleanly_after_epoch(0, out, result)
-    assert f"cannot write {out / 'weights' / 'model-1.pth'}: File too large" in line
+    assert f"cannot write {out / 'weights' / 'last.pth'}: File too large" in line
     assert "MiB free on its filesystem, about 81 MiB needed" in line
     assert f"{out / 'checkpoint.pth'} (epoch 0) is untouched" in line and "--resume" in line
 
@@ -84,7 +84,7 @@ def test_under_torchrun_vanished_images_are_skipped_on_every_rank_and_a_full_dis
 
     # Epoch 2's weights could not be written: both ranks stopped on it, promptly, with epoch 1's checkpoint kept.
     line = assert_stopped_cleanly_after_epoch(1, out, result, launcher="torchrun")
-    assert f"cannot write {out / 'weights' / 'model-2.pth'}: File too large" in line
+    assert f"cannot write {out / 'weights' / 'last.pth'}: File too large" in line
     assert result.stderr.count("error: cannot write") == 2  # both ranks, not one rank and a timeout
     assert time.monotonic() - started < 120 and not processes_with(env["RUN_MARKER"])
 

@@ -125,7 +125,7 @@ def assert_trained(out: Path, epochs: int = 2, world_size: int = 1, gpu_epochs=N
         assert 0.0 <= m["val_acc"] <= 1.0 and math.isfinite(m["train_loss"]) and m["train_loss"] > 0
         assert m["world_size"] == world_size
         assert ("peak_gpu_mib" in m) == (m["epoch"] in gpu_epochs), m
-    weights = load_on_cpu(out / "weights" / f"model-{epochs - 1}.pth")
+    weights = load_on_cpu(out / "weights" / "last.pth")
     assert weights and all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights)
     assert load_on_cpu(out / "checkpoint.pth")["epoch"] == epochs - 1
@@ -283,7 +283,7 @@ def test_predict_on_the_gpu_prints_one_line_per_image(tiny_data, bf16_run):
 def test_evaluate_on_the_gpu_writes_eval_json_for_the_runs_validation_images(bf16_run, tmp_path):
     out = bf16_run[0]
     result = run_script(
-        "evaluate.py", "--weights", out / "weights" / "model-1.pth", "--device", "cuda", "--workers", "0",
+        "evaluate.py", "--weights", out / "weights" / "last.pth", "--device", "cuda", "--workers", "0",
         "--output-dir", tmp_path / "eval",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torchvision.models import resnet18, resnet34, resnet50
+from torchvision.models import ResNet34_Weights, resnet18, resnet34, resnet50
 
 from model import (
     IMAGENET,
-    IMAGENET_WEIGHTS,
     create_model,
     freeze_all_but_head,
     imagenet_weights_file,
@@ -30,6 +29,7 @@ from model import (
 from my_dataset import IMAGENET_MEAN, IMAGENET_STD, val_transform
 from utils import UserError
 
+IMAGENET_WEIGHTS = ResNet34_Weights.IMAGENET1K_V1  # what `--weights imagenet` means for the default model
 OFFICIAL_NAME = "resnet34-b627a593.pth"  # the file name in IMAGENET_WEIGHTS.url, under which torch.hub caches it
 
 
@@ -130,7 +130,7 @@ def test_weights_of_another_resnet_are_refused(tmp_path, other):
     torch.save(other(num_classes=5).state_dict(), tmp_path / "other.pth")
     model = create_model(5)
     before = model.conv1.weight.clone()
-    with pytest.raises(UserError, match="does not fit ResNet-34"):
+    with pytest.raises(UserError, match="does not fit resnet34"):
         load_weights(model, tmp_path / "other.pth")
     assert torch.equal(model.conv1.weight, before)  # nothing half-loaded
 

@@ -87,7 +87,7 @@ def test_the_launch_script_trains_under_slurm_variables(tiny_data, tmp_path):
     assert "process(es)" not in results[1][1]  # ...alone
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(m["epoch"], m["world_size"]) for m in metrics] == [(0, 2)]
-    assert (out / "weights" / "model-0.pth").is_file()
+    assert (out / "weights" / "last.pth").is_file()
 
 
 def test_the_sbatch_script_is_valid_bash():

@@ -29,18 +29,32 @@ if os.environ.get("FAULT"):
     faults = [(kind, numbers) for kind, *numbers in (fault.split(":") for fault in os.environ["FAULT"].split(","))]
     real_train_one_epoch = training.train_one_epoch
 
-    def deleting(data_loader, step: int):
-        for done, batch in enumerate(data_loader):
+    class Batches:
+        """The loader's batches, each passed through `each(step, batch)`; as long as the loader."""
+
+        def __init__(self, data_loader, each):
+            self.data_loader, self.each = data_loader, each
+
+        def __len__(self):
+            return len(self.data_loader)
+
+        def __iter__(self):
+            return (self.each(step, batch) for step, batch in enumerate(self.data_loader))
+
+    def delete_at(step: int):
+        def each(done, batch):
             if done == step:
                 for path in os.environ["FAULT_FILES"].split(os.pathsep):
                     Path(path).unlink(missing_ok=True)
-            yield batch
+            return batch
 
-    def faulty_train_one_epoch(model, optimizer, data_loader, device, epoch, *how):
+        return each
+
+    def faulty_train_one_epoch(model, optimizer, data_loader, device, epoch, *how, **options):
         rank = dist.get_rank() if dist.is_initialized() else 0
         for kind, numbers in faults:
             data_loader = inject(kind, numbers, data_loader, rank, epoch)
-        return real_train_one_epoch(model, optimizer, data_loader, device, epoch, *how)
+        return real_train_one_epoch(model, optimizer, data_loader, device, epoch, *how, **options)
 
     def inject(kind, numbers, data_loader, rank, epoch):
         if kind == "raise" and [rank, epoch] == [int(n) for n in numbers]:
@@ -48,12 +62,12 @@ if os.environ.get("FAULT"):
         if kind == "nan" and epoch == int(numbers[0]):
             data_loader = [(images * torch.nan, labels) for images, labels in data_loader]
         if kind == "slow":
-            data_loader = (batch for batch in data_loader if time.sleep(0.2) is None)
+            data_loader = Batches(data_loader, lambda step, batch: time.sleep(0.2) or batch)
         if kind == "fsize" and epoch == int(numbers[0]):
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
             resource.setrlimit(resource.RLIMIT_FSIZE, (int(numbers[1]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         if kind == "delete" and epoch == int(numbers[0]) and rank == 0:
-            data_loader = deleting(data_loader, int(numbers[1]))
+            data_loader = Batches(data_loader, delete_at(int(numbers[1])))
         return data_loader
 
     training.train_one_epoch = faulty_train_one_epoch
