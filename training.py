@@ -48,16 +48,7 @@ def train(args, plan: Plan, process: Process) -> dict:
         freeze=args.freeze_layers, sync_bn=args.sync_bn, distributed=process.distributed,
         data_parallel=args.data_parallel, compile=args.compile,
     )  # fmt: skip
-    optimizer, scheduler = build_optimizer(
-        model, opt=args.opt, lr=args.lr, world_size=process.world_size, accumulate=args.accumulate,
-        momentum=args.momentum, weight_decay=args.weight_decay, epochs=args.epochs, lrf=args.lrf,
-        steps_per_epoch=math.ceil(len(train_loader) / args.accumulate), warmup_epochs=args.warmup_epochs,
-    )  # fmt: skip
-    objective = build_objective(args, split)
-    ema = model_ema(plain_model, args.ema_decay) if args.model_ema else None
-    say(f"Learning rate {optimizer.param_groups[0]['initial_lr']:g} (--lr {args.lr:g} x {process.world_size} "
-        f"process(es) x {args.accumulate} micro-batch(es)) for a global batch of "
-        f"{args.batch_size * process.world_size * args.accumulate}")  # fmt: skip
+    optimizer, scheduler, objective, ema = build_recipe(args, model, plain_model, split, len(train_loader), process)
     scaler = compute.grad_scaler(device)
     start_epoch, best_acc = 0, -1.0
     if plan.resume is not None:
@@ -230,6 +221,21 @@ def data_parallel_over_gpus(model, device: torch.device):
         return model
     say(f"DataParallel over {gpus} GPUs: each step splits its batch between them, cuda:{device.index} gathers")
     return torch.nn.DataParallel(model, device_ids=[device.index, *(i for i in range(gpus) if i != device.index)])
+
+
+def build_recipe(args, model, plain_model, split: DataSplit, batches: int, process: Process):
+    """The optimizer and its schedule, the loss and the weights' average (None without --model-ema) that the
+    flags ask for, for `batches` micro-batches an epoch."""
+    optimizer, scheduler = build_optimizer(
+        model, opt=args.opt, lr=args.lr, world_size=process.world_size, accumulate=args.accumulate,
+        momentum=args.momentum, weight_decay=args.weight_decay, epochs=args.epochs, lrf=args.lrf,
+        steps_per_epoch=math.ceil(batches / args.accumulate), warmup_epochs=args.warmup_epochs,
+    )  # fmt: skip
+    say(f"Learning rate {optimizer.param_groups[0]['initial_lr']:g} (--lr {args.lr:g} x {process.world_size} "
+        f"process(es) x {args.accumulate} micro-batch(es)) for a global batch of "
+        f"{args.batch_size * process.world_size * args.accumulate}")  # fmt: skip
+    ema = model_ema(plain_model, args.ema_decay) if args.model_ema else None
+    return optimizer, scheduler, build_objective(args, split), ema
 
 
 def build_objective(args, split: DataSplit) -> Objective:
