@@ -4,7 +4,9 @@ python evaluate.py --weights runs/train_single_gpu-20261122-201145/weights/best.
 python evaluate.py --weights best.pth --class-indices class_indices.json --data-path flower_photos --all
 
 The data folder, validation rate, seed and image size default to the run's own (its args.json), so the split is
-the one the run validated on; flags override them. Writes eval.json and confusion_matrix.png.
+the one the run validated on; flags override them. A data folder of train/ and val/ alone is split as given
+(read_split_data decides, as it did for the run): its val/ images are evaluated, whatever the rate and seed.
+Writes eval.json and confusion_matrix.png.
 """
 
 from pathlib import Path
@@ -63,7 +65,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--val-rate",
         type=number(float, 0, 1, above_minimum=True),
-        help="fraction of each class held out for validation (default: the run's, else 0.2)",
+        help="fraction of each class held out for validation (default: the run's, else 0.2; a folder of train/ and "
+        "val/ is used as given)",
     )
     parser.add_argument("--seed", type=number(int, 0), help="seed of the split (default: the run's, else 0)")
     parser.add_argument(
@@ -100,10 +103,11 @@ def main(argv=None):
         print(f"Evaluating {args.weights} on all {len(images)} images of {data_path}")
     else:
         images, labels = split.val_images, split.val_labels
-        used = {"images": "validation", "data_path": str(data_path), "val_rate": val_rate, "seed": seed}
+        how = {"given": True} if split.given else {"val_rate": val_rate, "seed": seed}
+        used = {"images": "validation", "data_path": str(data_path), **how}
         print(
             f"Evaluating {args.weights} on the {len(images)} validation images of {data_path} "
-            f"(val-rate {val_rate}, seed {seed})"
+            + ("(its val/ folder, as given)" if split.given else f"(val-rate {val_rate}, seed {seed})")
         )
 
     loader = image_loader(trained, args, images, labels)

@@ -14,6 +14,7 @@ from checkpoint import CHECKPOINT_NAME, load_checkpoint
 from compute import CHANNELS_LAST_MIN_SIZE
 from demo_data import DEMO_DATA_PATH, make_demo_data
 from model import DEFAULT_MODEL, IMAGENET, create_model, load_weights, model_names, weights_file
+from multi_train_utils.distributed_utils import launcher_environment
 from my_dataset import DataSplit, read_split_data
 from utils import (
     HelpFormatter,
@@ -321,6 +322,9 @@ def prepare(args, world_size: int) -> Plan:
 
 
 def check_split(args, split: DataSplit, data_path: Path, world_size: int) -> None:
+    if split.given and args.val_rate != build_parser(args.script, "").get_default("val_rate"):
+        if (launcher_environment() or {}).get("rank", 0) == 0:  # under torchrun every rank prepares: say it once
+            print(f"note: --val-rate {args.val_rate} is ignored: {data_path} holds train/ and val/, used as given")
     if split.unreadable and args.strict_images:
         raise UserError(f"{len(split.unreadable)} unreadable image(s) (--strict-images): {describe(split.unreadable)}")
     if args.num_classes is not None and args.num_classes != len(split.classes):

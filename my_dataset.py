@@ -1,9 +1,13 @@
-"""The data: a class-per-folder dataset split into training and validation lists, the dataset over those lists,
-its transform presets, and per-sample seeding of augmentation.
+"""The data: a dataset read into training and validation lists, the dataset over those lists, its transform
+presets, and per-sample seeding of augmentation.
 
-A dataset here is a folder with one sub-folder per class (the layout of flower_photos):
+A dataset here is a folder with one sub-folder per class (the layout of flower_photos), split at random:
 
     flower_photos/daisy/1234.jpg, flower_photos/roses/5678.jpg, ...
+
+or a folder of train/ and val/ alone, each with one sub-folder per class (ImageNet's layout), used as given:
+
+    flowers/train/daisy/1234.jpg, flowers/val/daisy/5678.jpg, ...
 """
 
 import math
@@ -35,6 +39,7 @@ class DataSplit:
     val_labels: list[int]
     classes: list[str]
     unreadable: list[str] = field(default_factory=list)  # left out of both sets (with verify_images=True)
+    given: bool = False  # True: the data folder's own train/ and val/, not a random split by val_rate and seed
 
 
 def list_images(folder: Path) -> list[Path]:
@@ -58,12 +63,12 @@ def image_problem(path) -> str | None:
 
 
 def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None, verify_images=False) -> DataSplit:
-    """Split a class-per-folder dataset into training and validation lists.
+    """The training and validation lists of a dataset in either layout (see given_split_folders for the rule
+    that tells them apart): a class-per-folder dataset is split at random, a folder of train/ and val/ is used as
+    it is. Training, evaluate.py and predict.py all call this, so all of them see the same split.
 
-    Classes are the sorted sub-folder names. Each class is split on its own (so every class is in both sets),
-    from its sorted file list shuffled by a generator seeded with (seed, class name): the split is the same on
-    every rank, every run and every filesystem. With `verify_images`, every image is decoded once and those
-    that cannot be are left out (listed in .unreadable). With `output_dir`, class_indices.json is written there.
+    With `verify_images`, every image is decoded once and those that cannot be are left out (listed in
+    .unreadable). With `output_dir`, class_indices.json is written there.
     """
     root = Path(root)
     if not root.exists():
@@ -72,19 +77,80 @@ def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None,
         raise UserError(f"data path {root} is a file, not a folder with one sub-folder per class")
     if not 0.0 < val_rate < 1.0:
         raise UserError(f"validation rate must be between 0 and 1, got {val_rate}")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if given_split_folders(root):
+        split = given_split(root, verify_images)
+    else:
+        split = random_split(root, val_rate, seed, verify_images)
+    if output_dir is not None:
+        write_class_indices(split.classes, output_dir)
+    return split
+
+
+def sub_folders(folder: Path) -> list[str]:
+    """The sorted names of the sub-folders of `folder`, hidden ones (.git, .ipynb_checkpoints) left out."""
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def given_split_folders(root: Path) -> bool:
+    """Whether `root` holds a split made in advance: its sub-folders are exactly `train` and `val` (loose files
+    beside them are ignored, as they are beside class folders).
+
+    A root with `train/` and `val/` and other sub-folders too (a `test/`, say) is refused rather than guessed at.
+    A root with only one of the two is read as class-per-folder: `train` can be a class (of vehicles, say). The
+    one layout this cannot tell apart is a class-per-folder dataset whose only classes are named train and val;
+    its images lie directly in train/ and val/, which given_split then refuses, naming the rule.
+    """
+    names = sub_folders(root)
+    if not {"train", "val"} <= set(names):
+        return False
+    if names != ["train", "val"]:
+        others = ", ".join(name for name in names if name not in ("train", "val"))
+        raise UserError(
+            f"data path {root} holds train/ and val/ beside other folders ({others}): a split given in advance "
+            "is a folder of train/ and val/ alone, each with one sub-folder per class"
+        )
+    return True
+
+
+def given_split(root: Path, verify_images: bool) -> DataSplit:
+    """train/ and val/ as they are, each a class-per-folder set: no image moves from one to the other, whatever
+    the validation rate or seed. Both must have the same classes, and every class images in both."""
+    classes = {part: sub_folders(root / part) for part in ("train", "val")}
+    for part, names in classes.items():
+        if not names:
+            raise UserError(
+                f"{root / part} has no class sub-folders: a data folder of train/ and val/ alone is read as a "
+                f"split given in advance, each with one sub-folder per class (e.g. {root / part}/daisy/*.jpg)"
+            )
+    if classes["train"] != classes["val"]:
+        train, val = set(classes["train"]), set(classes["val"])
+        only = {"train": train - val, "val": val - train}
+        raise UserError(
+            f"train/ and val/ of {root} have different classes: "
+            + "; ".join(f"only in {part}/: {', '.join(sorted(names))}" for part, names in only.items() if names)
+        )
+    split = DataSplit([], [], [], [], classes["train"], given=True)
+    for label, name in enumerate(split.classes):
+        for part, images_out, labels_out in (
+            ("train", split.train_images, split.train_labels),
+            ("val", split.val_images, split.val_labels),
+        ):
+            images = class_images(root / part / name, verify_images, split.unreadable)
+            images_out += map(str, images)
+            labels_out += [label] * len(images)
+    return split
+
+
+def random_split(root: Path, val_rate: float, seed: int, verify_images: bool) -> DataSplit:
+    """Classes are the sorted sub-folder names. Each class is split on its own (so every class is in both sets),
+    from its sorted file list shuffled by a generator seeded with (seed, class name): the split is the same on
+    every rank, every run and every filesystem."""
+    classes = sub_folders(root)
     if not classes:
         raise UserError(f"data path {root} has no class sub-folders (expected e.g. {root}/daisy/*.jpg)")
-
     split = DataSplit([], [], [], [], classes)
     for label, name in enumerate(classes):
-        images = list_images(root / name)
-        if verify_images:
-            bad = [path for path in images if image_problem(path) is not None]
-            split.unreadable += map(str, bad)
-            images = [path for path in images if path not in bad]
-        if not images:
-            raise UserError(f"class folder {root / name} holds no readable images ({' '.join(IMAGE_EXTENSIONS)})")
+        images = class_images(root / name, verify_images, split.unreadable)
         if len(images) < 2:
             raise UserError(f"class folder {root / name} has {len(images)} image; at least 2 are needed to split it")
         random.Random(f"{seed}:{name}").shuffle(images)
@@ -95,10 +161,21 @@ def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None,
             )
             images_out.append(str(path))
             labels_out.append(label)
-
-    if output_dir is not None:
-        write_class_indices(classes, output_dir)
     return split
+
+
+def class_images(folder: Path, verify_images: bool, unreadable: list[str]) -> list[Path]:
+    """The images of one class folder; with `verify_images`, those PIL cannot decode are left out and added to
+    `unreadable`. A class folder without a readable image is an error, in a training set and a validation set
+    alike: a class never validated would score an undefined recall, one never trained could not be learned."""
+    images = list_images(folder)
+    if verify_images:
+        bad = [path for path in images if image_problem(path) is not None]
+        unreadable += map(str, bad)
+        images = [path for path in images if path not in bad]
+    if not images:
+        raise UserError(f"class folder {folder} holds no readable images ({' '.join(IMAGE_EXTENSIONS)})")
+    return images
 
 
 def write_class_indices(classes: list[str], output_dir) -> None:

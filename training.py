@@ -133,7 +133,7 @@ def announce(script: str, process: Process, split: DataSplit, workers: int) -> N
         say(f"warning: skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
     say(
         f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
-        f"{len(split.classes)} classes; {workers} loader workers per process"
+        f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; {workers} loader workers per process"
     )
 
 
