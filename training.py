@@ -113,7 +113,7 @@ def validate(plain_model, ema, val_loader, device, num_classes: int, compute: Co
     if ema is None:
         return confusion, {}, plain_model
     averaged = evaluate(ema.module, val_loader, device, num_classes, compute, max_skipped)
-    accuracies = [float(matrix.trace() / matrix.sum().clamp(min=1)) for matrix in (confusion, averaged)]
+    accuracies = [int(matrix.trace()) / max(int(matrix.sum()), 1) for matrix in (confusion, averaged)]  # as val_acc
     ema_metrics = {"ema_val_acc": accuracies[1], "ema_val_correct": int(averaged.trace())}
     return confusion, ema_metrics, ema.module if accuracies[1] > accuracies[0] else plain_model
 
