@@ -7,6 +7,10 @@ The data folder, validation rate, seed and image size default to the run's own (
 the one the run validated on; flags override them. A data folder of train/ and val/ alone is split as given
 (read_split_data decides, as it did for the run): its val/ images are evaluated, whatever the rate and seed.
 Writes eval.json and confusion_matrix.png.
+
+Top-5 accuracy (the true class among an image's 5 highest logits) is reported with more than 5 classes only: with
+5 or fewer every image's true class is among its top 5, so it would always be 1. eval.json then has
+"top5_accuracy": null and "top5_correct": null, and nothing is printed for it.
 """
 
 from pathlib import Path
@@ -23,12 +27,15 @@ from my_dataset import read_split_data
 from plot_results import save_png
 from utils import HelpFormatter, Parser, UserError, check_writable, describe, entry_point, number, write_json
 
+TOPK = 5  # top-5 accuracy, reported with more classes than this
+
 
 def per_class_scores(confusion: torch.Tensor) -> dict[str, list]:
-    """Precision, recall and support of each class, from a confusion matrix (rows: true class, columns: predicted).
+    """Precision, recall, F1 and support of each class, from a confusion matrix (rows: true class, columns:
+    predicted).
 
     A class that was never predicted has precision 0.0 (no correct predictions), not an undefined 0/0; likewise
-    the recall of a class without images.
+    the recall of a class without images. F1 is 2PR/(P+R), 0.0 where P+R is 0 (no correct predictions).
     """
     correct = confusion.diagonal().double()
     predicted, support = confusion.sum(dim=0), confusion.sum(dim=1)
@@ -36,8 +43,19 @@ def per_class_scores(confusion: torch.Tensor) -> dict[str, list]:
     return {
         "precision": (correct / predicted.clamp(min=1)).tolist(),
         "recall": (correct / support.clamp(min=1)).tolist(),
+        # 2PR/(P+R) with P = correct/predicted and R = correct/support is 2 correct/(predicted + support): in counts,
+        # exact, and 0 when correct is 0
+        "f1": (2 * correct / (predicted + support).clamp(min=1)).tolist(),
         "support": support.tolist(),
     }
+
+
+def print_table(classes: list[str], scores: dict[str, list]) -> None:
+    width = max(len("class"), *map(len, classes))
+    print(f"{'class':<{width}}  precision  recall     f1  support")
+    columns = (scores["precision"], scores["recall"], scores["f1"], scores["support"])
+    for name, precision, recall, f1, support in zip(classes, *columns, strict=True):
+        print(f"{name:<{width}}  {precision:9.3f}  {recall:6.3f}  {f1:5.3f}  {support:7d}")
 
 
 def plot_confusion_matrix(confusion: torch.Tensor, classes: list[str], title: str, path: Path) -> None:
@@ -78,6 +96,35 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def chosen_images(args, split, data_path, val_rate: float, seed: int) -> tuple[list, list, dict]:
+    """The images to evaluate (the validation split, or --all), their labels, and eval.json's "split"."""
+    if args.all:
+        images, labels = split.train_images + split.val_images, split.train_labels + split.val_labels
+        print(f"Evaluating {args.weights} on all {len(images)} images of {data_path}")
+        return images, labels, {"images": "all", "data_path": str(data_path)}
+    print(
+        f"Evaluating {args.weights} on the {len(split.val_images)} validation images of {data_path} "
+        + ("(its val/ folder, as given)" if split.given else f"(val-rate {val_rate}, seed {seed})")
+    )
+    how = {"given": True} if split.given else {"val_rate": val_rate, "seed": seed}
+    return split.val_images, split.val_labels, {"images": "validation", "data_path": str(data_path), **how}
+
+
+def scores_report(classes: list[str], confusion: torch.Tensor, scores: dict, in_top5: int | None) -> dict:
+    """eval.json's scores: accuracy, top-5 accuracy (null with 5 classes or fewer), per class, confusion matrix."""
+    correct, total = int(confusion.trace()), int(confusion.sum())
+    return {
+        "accuracy": correct / total,
+        "correct": correct,
+        "total": total,
+        "top5_accuracy": None if in_top5 is None else in_top5 / total,
+        "top5_correct": in_top5,
+        "per_class": {name: {key: values[c] for key, values in scores.items()} for c, name in enumerate(classes)},
+        "classes": classes,
+        "confusion_matrix": confusion.tolist(),  # rows: true class, columns: predicted class
+    }
+
+
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
@@ -97,48 +144,24 @@ def main(argv=None):
         raise UserError(f"{args.weights} was trained on classes {trained.classes}, but {data_path} has {split.classes}")
     if split.unreadable:
         print(f"warning: skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
-    if args.all:
-        images, labels = split.train_images + split.val_images, split.train_labels + split.val_labels
-        used = {"images": "all", "data_path": str(data_path)}
-        print(f"Evaluating {args.weights} on all {len(images)} images of {data_path}")
-    else:
-        images, labels = split.val_images, split.val_labels
-        how = {"given": True} if split.given else {"val_rate": val_rate, "seed": seed}
-        used = {"images": "validation", "data_path": str(data_path), **how}
-        print(
-            f"Evaluating {args.weights} on the {len(images)} validation images of {data_path} "
-            + ("(its val/ folder, as given)" if split.given else f"(val-rate {val_rate}, seed {seed})")
-        )
+    images, labels, used = chosen_images(args, split, data_path, val_rate, seed)
 
     loader = image_loader(trained, args, images, labels)
-    confusion = evaluate(trained.model, loader, trained.device, len(split.classes), trained.compute)
+    topk = TOPK if len(split.classes) > TOPK else None  # with fewer classes it is always 1
+    scored = evaluate(trained.model, loader, trained.device, len(split.classes), trained.compute, topk=topk)
+    confusion, in_top5 = scored if topk else (scored, None)
     correct, total = int(confusion.trace()), int(confusion.sum())
     scores = per_class_scores(confusion)
     left_out = f"; {len(images) - total} unreadable image(s) left out" if total < len(images) else ""
-    print(f"accuracy {correct / total:.3f} ({correct}/{total}{left_out})\n")
-    width = max(len("class"), *map(len, split.classes))
-    print(f"{'class':<{width}}  precision  recall  support")
-    rows = list(zip(split.classes, scores["precision"], scores["recall"], scores["support"], strict=True))
-    for name, precision, recall, support in rows:
-        print(f"{name:<{width}}  {precision:9.3f}  {recall:6.3f}  {support:7d}")
+    print(f"accuracy {correct / total:.3f} ({correct}/{total}{left_out})")
+    if in_top5 is not None:
+        print(f"top-5 accuracy {in_top5 / total:.3f} ({in_top5}/{total})")
+    print()
+    print_table(split.classes, scores)
 
-    write_json(
-        output_dir / "eval.json",
-        {
-            "weights": str(args.weights),
-            "split": used,
-            "img_size": trained.setting("img_size", args.img_size, DEFAULT_IMG_SIZE),
-            "accuracy": correct / total,
-            "correct": correct,
-            "total": total,
-            "per_class": {
-                name: {"precision": precision, "recall": recall, "support": support}
-                for name, precision, recall, support in rows
-            },
-            "classes": split.classes,
-            "confusion_matrix": confusion.tolist(),  # rows: true class, columns: predicted class
-        },
-    )
+    img_size = trained.setting("img_size", args.img_size, DEFAULT_IMG_SIZE)
+    report = {"weights": str(args.weights), "split": used, "img_size": img_size}
+    write_json(output_dir / "eval.json", report | scores_report(split.classes, confusion, scores, in_top5))
     title = f"{args.weights.name}: accuracy {correct / total:.3f} ({correct}/{total}, {used['images']} images)"
     plot_confusion_matrix(confusion, split.classes, title, output_dir / "confusion_matrix.png")
     print(f"\nWrote {output_dir / 'eval.json'} and {output_dir / 'confusion_matrix.png'}")

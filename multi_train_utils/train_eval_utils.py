@@ -109,29 +109,34 @@ def too_many_skipped(skipped: int, limit: int, of_what: str) -> str:
 
 @torch.no_grad()
 def evaluate(
-    model, data_loader, device, num_classes: int, compute: Compute = Compute(), max_skipped=None
-) -> torch.Tensor:
+    model, data_loader, device, num_classes: int, compute: Compute = Compute(), max_skipped=None, topk=None
+) -> torch.Tensor | tuple[torch.Tensor, int]:
     """The confusion matrix (rows: true class, columns: predicted) summed over every rank's validation shard.
 
     Each rank evaluates its own disjoint shard, nothing padded, so every image counts exactly once: accuracy is
     its trace over its sum, per-class recall its diagonal over row sums. Images that could not be read (labelled
     SKIPPED) are in neither: the data's image count less the matrix's sum is their number; more than
-    `max_skipped` of them (None: no limit) stop every rank.
+    `max_skipped` of them (None: no limit) stop every rank. With `topk` (k), returns (the matrix, the number of
+    images whose true class is among their k highest logits), that number summed over the ranks too.
     """
     device = torch.device(device)
     model.eval()
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
+    in_topk = torch.zeros((), dtype=torch.int64, device=device)
     for images, labels in tqdm(
         data_loader, desc="validate", file=sys.stdout, disable=not is_main_process(), leave=False
     ):
         with compute.autocast(device):
-            predictions = model(compute.batch_to(images, device)).argmax(dim=1)
+            logits = model(compute.batch_to(images, device))
+            predictions = logits.argmax(dim=1)
         labels = labels.to(device)
         read = labels != SKIPPED  # images that could not be read count neither as right nor as wrong
         pairs = labels[read] * num_classes + predictions[read]
         confusion += torch.bincount(pairs, minlength=num_classes * num_classes).view(num_classes, num_classes)
+        if topk is not None:
+            in_topk += (logits[read].topk(topk, dim=1).indices == labels[read, None]).any(dim=1).sum()
     confusion = reduce_value(confusion, average=False).cpu()
     skipped = max_skipped is not None and len(data_loader.dataset) - int(confusion.sum())
     if skipped and skipped > max_skipped:  # the same on every rank: the matrix is the sum over all of them
         raise UserError(too_many_skipped(skipped, max_skipped, "the validation images"))
-    return confusion
+    return confusion if topk is None else (confusion, int(reduce_value(in_topk, average=False)))

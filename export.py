@@ -1,0 +1,272 @@
+"""Export a run's trained network as one ONNX or TorchScript file, for runtimes that do not have this code.
+
+python export.py runs/demo-single/weights/best.pth --format onnx
+python export.py runs/demo-single/weights/best.pth --format torchscript --output flowers.torchscript.pt
+
+ONNX runs in onnxruntime, TensorRT, OpenVINO and others. TorchScript runs in LibTorch (C++), but torch 2.14
+deprecates it (torch.jit warns at every trace, save and load) in favour of torch.export: prefer ONNX unless the
+runtime is LibTorch.
+
+The file holds the network in float32 with NCHW input, whatever the run trained with: --amp's bfloat16 is autocast,
+a PyTorch way of running float32 weights rather than part of them, and channels_last only a memory layout, so a
+runtime gets the weights as they are and is free to lower the precision itself. A deployer also needs what is not
+in the weights: the class names and how images were prepared (resized, centre-cropped, ImageNet-normalised, as
+evaluate.py does). Both travel inside the file: ONNX metadata_props and doc_string, TorchScript extra files.
+
+An exporter can get a graph wrong without failing, so the exported bytes are run, before they are written, by the
+runtime a deployer would use (onnxruntime; torch.jit.load) on a batch of the run's images and compared with
+PyTorch's float32 logits: a maximum absolute difference above 1e-4 stops with nothing written. The file is written
+atomically and an existing one is kept unless --force.
+"""
+
+import contextlib
+import importlib.util
+import io
+import json
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from flags import DEFAULT_IMG_SIZE
+from inference import image_loader, load_trained_model
+from multi_train_utils.distributed_utils import resolve_device
+from my_dataset import IMAGENET_MEAN, IMAGENET_STD, RESIZE_RATIO, image_problem, list_images
+from utils import HelpFormatter, Parser, UserError, check_writable, entry_point, positive_int, write_atomically
+
+FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}  # the default output's suffix
+TOLERANCE = 1e-4  # largest absolute difference in logits from PyTorch float32 that the check accepts
+CHECK_IMAGES = 8  # images in the check's batch
+
+
+class ExportCheckError(UserError):
+    """The exported file computes other logits than the network it came from: nothing is written."""
+
+
+def parse_args(argv=None):
+    parser = Parser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser.add_argument(
+        "weights", type=Path, metavar="RUN_WEIGHTS", help="weights/model-N.pth, weights/best.pth or checkpoint.pth"
+    )
+    parser.add_argument("--format", required=True, choices=list(FORMATS), help="the file to write")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="the file (default: beside the weights, named after them: best.onnx, best.torchscript.pt)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace the output file if it exists")
+    parser.add_argument(
+        "--class-indices",
+        type=Path,
+        help="class_indices.json (default: the run's, beside the weights or one folder up, else the checkpoint's)",
+    )
+    parser.add_argument(
+        "--img-size",
+        type=positive_int,
+        help=f"the input crop size (default: the run's, else {DEFAULT_IMG_SIZE})",
+    )
+    parser.add_argument(
+        "--data-path",
+        type=Path,
+        help="class folders whose images the check runs on (default: the run's; none: a seeded random batch)",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where the network is traced: cpu, cuda or cuda:N (the check runs on the CPU)"
+    )
+    return parser.parse_args(argv)
+
+
+def output_path(args) -> Path:
+    """The file to write, refused if it exists (without --force) or is the weights file itself."""
+    output = args.output or args.weights.with_name(args.weights.stem + FORMATS[args.format])
+    if output.exists() and output.resolve() == args.weights.resolve():
+        raise UserError(f"--output {output} is the weights file itself: name another file")
+    if output.exists() and not args.force:
+        raise UserError(f"{output} exists: name another --output, or pass --force to replace it")
+    if output.is_dir():
+        raise UserError(f"--output {output} is a folder: name a file")
+    check_writable(output.parent)
+    return output
+
+
+def preprocessing(img_size: int) -> dict:
+    """How an image becomes the network's input, as inference's val_transform does it, for the file's metadata."""
+    return {
+        "input": "images",
+        "shape": ["batch", 3, img_size, img_size],  # NCHW, float32, RGB
+        "resize_shorter_side": round(img_size * RESIZE_RATIO),
+        "interpolation": "bilinear, antialiased",
+        "center_crop": img_size,
+        "scale": "1/255",  # 8-bit pixel values to [0, 1], before the normalisation
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+        "output": "logits",  # [batch, classes]; softmax over classes gives probabilities
+    }
+
+
+def describe_input(prep: dict, classes: list[str]) -> str:
+    """The doc_string of the ONNX file: its preprocessing in one paragraph, for a person reading the model."""
+    size = prep["center_crop"]
+    return (
+        f"ResNet-34 image classifier, {len(classes)} classes ({', '.join(classes)}; metadata 'class_indices' maps "
+        f"each logit's index to its name). Input 'images': float32 RGB, NCHW [batch, 3, {size}, {size}]: resize "
+        f"the shorter side to {prep['resize_shorter_side']} px (bilinear, antialiased), crop the centre {size} px, "
+        f"scale pixels to [0, 1], subtract mean {prep['mean']} and divide by std {prep['std']} per channel. "
+        f"Output 'logits': [batch, {len(classes)}]; softmax gives probabilities. Metadata 'preprocessing' holds "
+        "the same as JSON."
+    )
+
+
+def export_onnx(model, example: torch.Tensor, metadata: dict, doc: str) -> bytes:
+    """The network as ONNX bytes, with a dynamic batch dimension and `metadata` in its metadata_props.
+
+    torch.export-based (dynamo=True): the exporter torch has recommended and used by default since 2.9; the
+    TorchScript-based one (dynamo=False) works without onnxscript but warns that it will be removed. Both torch 2.11
+    and 2.14 return an ONNXProgram, whose proto gets the metadata before it is serialised in one file (weights
+    inline: a ResNet-34 is far below ONNX's 2 GB limit).
+    """
+    batch = torch.export.Dim("batch")
+    program = torch.onnx.export(
+        model,
+        (example,),
+        dynamo=True,
+        input_names=["images"],
+        output_names=["logits"],
+        dynamic_shapes=({0: batch},),
+        verbose=False,
+    )
+    proto = program.model_proto
+    proto.doc_string = doc
+    for key, value in metadata.items():
+        proto.metadata_props.add(key=key, value=value)
+    return proto.SerializeToString()
+
+
+@contextlib.contextmanager
+def quiet_torchscript():
+    """torch 2.14 warns that torch.jit is deprecated at every trace, save and load; here TorchScript is asked for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated")
+        yield
+
+
+def export_torchscript(model, example: torch.Tensor, metadata: dict) -> bytes:
+    """The traced network as TorchScript bytes, `metadata` as extra files (class_indices.json, preprocessing.json)."""
+    buffer = io.BytesIO()
+    with quiet_torchscript(), torch.no_grad():
+        # A trace is exact for ResNet (no data-dependent control flow); the check below replaces check_trace.
+        traced = torch.jit.trace(model, example, check_trace=False)
+        torch.jit.save(traced, buffer, _extra_files={f"{key}.json": value for key, value in metadata.items()})
+    return buffer.getvalue()
+
+
+def onnx_runner(data: bytes):
+    """A function from a batch to the file's logits in onnxruntime (CPU), and the runtime's name; None without it."""
+    try:
+        import onnxruntime
+    except ImportError:
+        print("warning: onnxruntime is not installed, so the ONNX file was not checked (pip install onnxruntime)")
+        return None, None
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    return (
+        lambda batch: torch.from_numpy(session.run(["logits"], {"images": batch.numpy()})[0]),
+        f"onnxruntime {onnxruntime.__version__}",
+    )
+
+
+def torchscript_runner(data: bytes):
+    """A function from a batch to the file's logits, loaded as LibTorch or torch.jit.load loads it, on the CPU."""
+    with quiet_torchscript():
+        loaded = torch.jit.load(io.BytesIO(data), map_location="cpu")
+
+    def run(batch):
+        with quiet_torchscript(), torch.no_grad():
+            return loaded(batch)
+
+    return run, f"torch.jit.load (torch {torch.__version__})"
+
+
+def check_images(data_path: Path) -> list[Path]:
+    """Up to CHECK_IMAGES readable images of a class-per-folder dataset, taking each class in turn."""
+    folders = sorted(p for p in data_path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    by_class = [list_images(folder) for folder in folders]
+    in_turn = [images[i] for i in range(max(map(len, by_class), default=0)) for images in by_class if i < len(images)]
+    readable = (image for image in in_turn if image_problem(image) is None)
+    return [image for _, image in zip(range(CHECK_IMAGES), readable, strict=False)]
+
+
+def check_batch(trained, args, img_size: int) -> tuple[torch.Tensor, str]:
+    """The check's input and where it came from: images of the data folder (--data-path, else the run's), prepared
+    as evaluate.py prepares them; a seeded random batch when there are none."""
+    data_path = trained.setting("data_path", args.data_path, None)
+    images = []
+    if data_path is None:
+        why = "no data folder known"
+    elif not Path(data_path).is_dir():
+        why = f"the run's data folder {data_path} is not here"
+    else:
+        images, why = check_images(Path(data_path)), f"no readable images in {data_path}"
+    if not images:
+        batch = torch.randn(CHECK_IMAGES, 3, img_size, img_size, generator=torch.Generator().manual_seed(0))
+        return batch, f"a seeded random batch ({why}; --data-path names images to check on)"
+    settings = SimpleNamespace(img_size=img_size, batch_size=len(images), workers=0)
+    batch, _ = next(iter(image_loader(trained, settings, images, [0] * len(images))))
+    return batch, f"{len(images)} images of {data_path}"
+
+
+def max_difference(run, model, batch: torch.Tensor) -> float:
+    """The largest absolute difference between the exported file's logits and PyTorch's, in float32 on the CPU."""
+    with torch.no_grad():
+        expected = model(batch)
+    got = run(batch)
+    if got.shape != expected.shape:
+        raise ExportCheckError(f"the exported file gives logits of shape {list(got.shape)}, not {list(expected.shape)}")
+    return (got.float() - expected).abs().max().item()
+
+
+@entry_point
+def main(argv=None):
+    args = parse_args(argv)
+    output = output_path(args)
+    if args.data_path is not None and not args.data_path.is_dir():
+        raise UserError(f"--data-path {args.data_path} is not a folder")
+    if args.format == "onnx" and importlib.util.find_spec("onnxscript") is None:
+        raise UserError("ONNX export needs onnxscript (and onnx): pip install onnx onnxscript onnxruntime")
+    trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device))
+    img_size = trained.setting("img_size", args.img_size, DEFAULT_IMG_SIZE)
+    # float32 and NCHW whatever the run's --amp and --channels-last: no autocast here, and contiguous weights
+    model = trained.model.float().to(memory_format=torch.contiguous_format)
+    prep = preprocessing(img_size)
+    indices = {str(i): name for i, name in enumerate(trained.classes)}
+    metadata = {"class_indices": json.dumps(indices), "preprocessing": json.dumps(prep)}
+    print(
+        f"Exporting {args.weights} ({len(trained.classes)} classes) as {args.format}: float32, "
+        f"input [batch, 3, {img_size}, {img_size}]"
+    )
+    example = torch.zeros(2, 3, img_size, img_size, device=trained.device)  # torch.export specialises batch 1
+    if args.format == "onnx":
+        data = export_onnx(model, example, metadata, describe_input(prep, trained.classes))
+        run, runtime = onnx_runner(data)
+    else:
+        data = export_torchscript(model, example, metadata)
+        run, runtime = torchscript_runner(data)
+
+    if run is not None:  # the bytes about to be written, run as a deployer runs them
+        batch, source = check_batch(trained, args, img_size)
+        difference = max_difference(run, model.cpu(), batch)
+        print(
+            f"Checked with {runtime} on {source}: max abs difference from PyTorch float32 logits "
+            f"{difference:.1e} (limit {TOLERANCE:.0e})"
+        )
+        if not difference <= TOLERANCE:  # NaN fails too
+            raise ExportCheckError(
+                f"the exported file's logits differ from PyTorch's by up to {difference:.1e} "
+                f"(limit {TOLERANCE:.0e}): {output} not written"
+            )
+    write_atomically(output, lambda f: f.write(data), binary=True, size=len(data))
+    print(f"Wrote {output} ({len(data) / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
