@@ -26,7 +26,7 @@ CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]  # tiny_data's
 @pytest.fixture(scope="module")
 def run(tiny_data, tmp_path_factory):
     """A run folder laid out as training writes it, made directly (training one takes longer than the exports):
-    weights/best.pth of a ResNet-34 whose BatchNorm layers are away from their initial identity, class_indices.json,
+    weights/best.pth of a ResNet-34 whose BatchNorm statistics are away from their initial 0 and 1, class_indices.json,
     and args.json of a run at 32 px in bfloat16 and channels_last, which the export must not carry into the file."""
     folder = tmp_path_factory.mktemp("export") / "run"
     (folder / "weights").mkdir(parents=True)
@@ -45,15 +45,18 @@ def run(tiny_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def images(tiny_data) -> list[str]:
-    """Real images: the validation split of tiny_data (15 images, a batch size the export never saw)."""
-    return read_split_data(tiny_data, 0.2, 0).val_images
+    """Real images: the validation split of tiny_data (10 images, a batch size neither the export nor its check saw)."""
+    images = read_split_data(tiny_data, 0.2, 0).val_images
+    assert len(images) == 10
+    return images
 
 
-def pytorch_logits(weights, images) -> tuple[torch.Tensor, torch.Tensor]:
-    """torchvision's ResNet-34 with the weights, float32 and NCHW on the CPU, on the images as evaluate.py sees them:
-    (logits, the batch)."""
+@pytest.fixture(scope="module")
+def pytorch_logits(run, images) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchvision's ResNet-34 with the run's weights, float32 and NCHW on the CPU, on the images as evaluate.py
+    sees them: (logits, the batch)."""
     model = resnet34(num_classes=len(CLASSES))
-    model.load_state_dict(torch.load(weights, weights_only=True))
+    model.load_state_dict(torch.load(run / "weights" / "best.pth", weights_only=True))
     batch, _ = next(iter(DataLoader(MyDataSet(images, [0] * len(images), val_transform(32)), batch_size=len(images))))
     with torch.no_grad():
         return model.eval()(batch), batch
@@ -91,15 +94,15 @@ def assert_check_printed(stdout: str, runtime: str, tiny_data):
 
 
 def test_the_onnx_file_computes_pytorchs_float32_logits_in_onnxruntime(
-    run, onnx_export, onnx_session, images, tiny_data
+    onnx_export, onnx_session, pytorch_logits, tiny_data
 ):
     assert_check_printed(onnx_export[0], "onnxruntime", tiny_data)
     session = onnx_session
     assert [(i.name, i.shape, i.type) for i in session.get_inputs()] == [
         ("images", ["batch", 3, 32, 32], "tensor(float)")
     ]
-    expected, batch = pytorch_logits(run / "weights" / "best.pth", images)
-    for rows in (slice(None), slice(0, 1)):  # the batch dimension is dynamic: 15 images, then 1
+    expected, batch = pytorch_logits
+    for rows in (slice(None), slice(0, 1)):  # the batch dimension is dynamic: 10 images, then 1
         (logits,) = session.run(["logits"], {"images": batch[rows].numpy()})
         assert torch.from_numpy(logits).sub(expected[rows]).abs().max() <= 1e-4
 
@@ -123,7 +126,7 @@ def test_the_onnx_file_names_the_classes_and_the_preprocessing(onnx_session):
 
 
 def test_the_torchscript_file_computes_the_same_logits_and_carries_the_class_names(
-    run, torchscript_export, images, tiny_data
+    torchscript_export, pytorch_logits, tiny_data
 ):
     stdout, path = torchscript_export  # the default name: beside the weights
     assert_check_printed(stdout, "torch.jit.load", tiny_data)
@@ -133,7 +136,7 @@ def test_the_torchscript_file_computes_the_same_logits_and_carries_the_class_nam
         loaded = torch.jit.load(path, map_location="cpu", _extra_files=extra_files)
     assert list(json.loads(extra_files["class_indices.json"]).values()) == CLASSES
     assert json.loads(extra_files["preprocessing.json"])["resize_shorter_side"] == 37
-    expected, batch = pytorch_logits(run / "weights" / "best.pth", images)
+    expected, batch = pytorch_logits
     with torch.no_grad():
         assert loaded(batch).sub(expected).abs().max() <= 1e-4
 
