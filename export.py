@@ -30,10 +30,10 @@ from types import SimpleNamespace
 import torch
 
 from flags import DEFAULT_IMG_SIZE
-from inference import image_loader, load_trained_model
+from inference import add_run_overrides, image_loader, load_trained_model
 from multi_train_utils.distributed_utils import resolve_device
 from my_dataset import IMAGENET_MEAN, IMAGENET_STD, RESIZE_RATIO, image_problem, list_images
-from utils import HelpFormatter, Parser, UserError, check_writable, entry_point, positive_int, write_atomically
+from utils import HelpFormatter, Parser, UserError, check_writable, entry_point, write_atomically
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}  # the default output's suffix
 TOLERANCE = 1e-4  # largest absolute difference in logits from PyTorch float32 that the check accepts
@@ -47,7 +47,10 @@ class ExportCheckError(UserError):
 def parse_args(argv=None):
     parser = Parser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument(
-        "weights", type=Path, metavar="RUN_WEIGHTS", help="weights/model-N.pth, weights/best.pth or checkpoint.pth"
+        "weights",
+        type=Path,
+        metavar="RUN_WEIGHTS",
+        help="weights/best.pth, weights/last.pth, weights/model-N.pth or checkpoint.pth",
     )
     parser.add_argument("--format", required=True, choices=list(FORMATS), help="the file to write")
     parser.add_argument(
@@ -56,16 +59,7 @@ def parse_args(argv=None):
         help="the file (default: beside the weights, named after them: best.onnx, best.torchscript.pt)",
     )
     parser.add_argument("--force", action="store_true", help="replace the output file if it exists")
-    parser.add_argument(
-        "--class-indices",
-        type=Path,
-        help="class_indices.json (default: the run's, beside the weights or one folder up, else the checkpoint's)",
-    )
-    parser.add_argument(
-        "--img-size",
-        type=positive_int,
-        help=f"the input crop size (default: the run's, else {DEFAULT_IMG_SIZE})",
-    )
+    add_run_overrides(parser)
     parser.add_argument(
         "--data-path",
         type=Path,

@@ -15,7 +15,7 @@ from compute import CHANNELS_LAST_MIN_SIZE
 from demo_data import DEMO_DATA_PATH, make_demo_data
 from model import DEFAULT_MODEL, IMAGENET, create_model, load_weights, model_names, weights_file
 from multi_train_utils.distributed_utils import launcher_environment
-from my_dataset import DataSplit, read_split_data
+from my_dataset import AUTO_AUGMENT, DataSplit, read_split_data
 from utils import (
     HelpFormatter,
     Parser,
@@ -68,7 +68,7 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
     )
     data.add_argument(
         "--auto-augment",
-        choices=["none", "trivialaugment", "randaugment"],
+        choices=["none", *AUTO_AUGMENT],
         default="none",
         help="a random photometric or geometric change per training image after the crop and flip "
         "(TrivialAugmentWide or RandAugment from torchvision)",

@@ -125,16 +125,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="a run's weights: weights/best.pth, weights/last.pth, weights/model-N.pth or checkpoint.pth",
     )
-    parser.add_argument(
-        "--class-indices",
-        type=Path,
-        help="class_indices.json (default: the run's, beside the weights or one folder up, else the checkpoint's)",
-    )
-    parser.add_argument(
-        "--img-size",
-        type=positive_int,
-        help=f"the crop size the run trained with (default: the run's, else {DEFAULT_IMG_SIZE})",
-    )
+    add_run_overrides(parser)
     parser.add_argument(
         "--batch-size",
         type=positive_int,
@@ -146,6 +137,20 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="image loader processes (default: as for training, see machine.core_budget)",
     )
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
+
+
+def add_run_overrides(parser: argparse.ArgumentParser) -> None:
+    """The flags that override what a run's files say: its class names and its image size."""
+    parser.add_argument(
+        "--class-indices",
+        type=Path,
+        help="class_indices.json (default: the run's, beside the weights or one folder up, else the checkpoint's)",
+    )
+    parser.add_argument(
+        "--img-size",
+        type=positive_int,
+        help=f"the crop size the run trained with (default: the run's, else {DEFAULT_IMG_SIZE})",
+    )
 
 
 def image_loader(trained: TrainedModel, args, images: list, labels: list) -> DataLoader:

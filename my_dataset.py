@@ -29,6 +29,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # Validation resizes to img_size * 256/224 (256 for 224) and takes the centre img_size, as for ImageNet.
 RESIZE_RATIO = 256 / 224
+AUTO_AUGMENT = {"trivialaugment": v2.TrivialAugmentWide, "randaugment": v2.RandAugment}  # --auto-augment's choices
 
 
 @dataclass
@@ -205,9 +206,9 @@ def train_transform(img_size: int, auto_augment: str = "none", random_erase: flo
     # sqrt(scale * aspect) of the image's shorter side, and should still hold img_size pixels.
     narrowest = min(crop.ratio[0], 1 / crop.ratio[1])
     min_side = math.ceil(img_size / math.sqrt(crop.scale[0] * narrowest))
-    augment = {"none": [], "trivialaugment": [v2.TrivialAugmentWide()], "randaugment": [v2.RandAugment()]}
+    augment = [AUTO_AUGMENT[auto_augment]()] if auto_augment != "none" else []
     erase = [v2.RandomErasing(random_erase)] if random_erase > 0 else []
-    steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip(), *augment[auto_augment], *to_normalised_float(), *erase]
+    steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip(), *augment, *to_normalised_float(), *erase]
     return Preset(steps, min_side)
 
 

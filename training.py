@@ -71,14 +71,13 @@ def train(args, plan: Plan, process: Process) -> dict:
             scheduler=scheduler, accumulate=args.accumulate, ema=ema,
         )  # fmt: skip
         train_seconds = time.perf_counter() - start
-        confusion, ema_metrics, better = validate(
-            plain_model, ema, val_loader, device, len(classes), compute, limits[1]
-        )
+        confusion, ema_metrics = validate(plain_model, ema, val_loader, device, len(classes), compute, limits[1])
         metrics = epoch_metrics(
             epoch, train_loss, images, train_seconds, time.perf_counter() - start, confusion, lr,
             process.world_size, device, expected,
         ) | ema_metrics  # fmt: skip
         accuracy = max(metrics["val_acc"], metrics.get("ema_val_acc", -1.0))
+        better = ema.module if metrics.get("ema_val_acc", -1.0) > metrics["val_acc"] else plain_model  # tie: model
         best, best_acc = better if accuracy > best_acc else None, max(best_acc, accuracy)
         state = functools.partial(  # the checkpoint's contents, gathered by rank 0 alone, when it saves
             training_state, epoch, plain_model, optimizer, scheduler, scaler, best_acc, classes, process.world_size,
@@ -107,15 +106,14 @@ def write_epoch(log: RunLog, metrics, best_acc, plain_model, best, compute, outp
 
 
 def validate(plain_model, ema, val_loader, device, num_classes: int, compute: Compute, max_skipped):
-    """The epoch's validation: the model's confusion matrix; with an EMA, its accuracy too (as `ema_` metrics);
-    and which of the two validated better (the EMA's module on a tie goes to the model)."""
+    """The epoch's validation: the model's confusion matrix, and with an EMA its accuracy too (as `ema_` metrics,
+    computed as epoch_metrics computes val_acc)."""
     confusion = evaluate(plain_model, val_loader, device, num_classes, compute, max_skipped)
     if ema is None:
-        return confusion, {}, plain_model
+        return confusion, {}
     averaged = evaluate(ema.module, val_loader, device, num_classes, compute, max_skipped)
-    accuracies = [int(matrix.trace()) / max(int(matrix.sum()), 1) for matrix in (confusion, averaged)]  # as val_acc
-    ema_metrics = {"ema_val_acc": accuracies[1], "ema_val_correct": int(averaged.trace())}
-    return confusion, ema_metrics, ema.module if accuracies[1] > accuracies[0] else plain_model
+    correct, total = int(averaged.trace()), int(averaged.sum())
+    return confusion, {"ema_val_acc": correct / max(total, 1), "ema_val_correct": correct}
 
 
 def say(*message) -> None:
