@@ -1,33 +1,47 @@
-"""Measure training speed: the model alone, then each launch script end to end, against the original's setup.
+"""Measure training speed: the model and the loader alone, then each launch script end to end.
 
 python benchmark.py                       # 224 px, batch 16, generated 320x240 JPEGs
 python benchmark.py --data-path flower_photos --img-size 224 --batch-size 32 --nprocs 4
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmark.py    # an AVX-512 CPU computing as an AVX2 one
 
 Rows, each a fresh process (or group of processes) so that no row inherits another's warm caches or memory:
-  model only     training steps on random tensors already in memory: the ceiling for this precision and layout
+  model only (the ceiling)   the bare training step (autocast forward, cross-entropy, scaled backward, optimizer
+                 step) on one random batch already on the device, with no host synchronisation inside the loop:
+                 the ceiling for this precision and layout
+  model only, loss.item() each step   the same, the CPU waiting for each step's loss before it queues the next
+  model only, float32 NCHW   the ceiling's loop in float32 and NCHW
+  train_one_epoch, tensors in memory   the training loop itself, fed one batch from host memory at every step
+  loader         the training loader as the scripts build it, iterated without a model: with 1 worker, and with
+                 the workers the scripts use on this device (at least 1); images per second after the first
+                 batches, at least --loader-images of them
   baseline       train_single_gpu.py as the original scripts ran: float32, NCHW, loader workers restarted each epoch
   single         train_single_gpu.py with this collection's defaults (or --amp / --channels-last)
   torchrun, spawn   the two DDP launch scripts with --nprocs processes
-End-to-end figures come from the runs' own metrics.jsonl: training images per second and epoch wall time
-(training and validation) averaged over the epochs after the first, which pays one-off start-up costs.
+The rows without a loader time --steps steps after 3 untimed ones, the device synchronised before the clock starts
+and before it stops. End-to-end figures come from the runs' own metrics.jsonl: training images per second and
+epoch wall time (training and validation) averaged over the epochs after the first, which pays one-off start-up
+costs.
 
 The machine is stated with the figures: the processor, the instruction set torch computes with, the cores, and
 the measured peak of a large matrix product in each precision; each row's "% of peak" is its training FLOPs per
 second (torch's FlopCounterMode over one training step, times images per second) against the peak of the
-precision it computed in. Writes benchmark.json, benchmark.png (plot_results.plot_benchmark) and each run's
-folder and log to --output-dir.
+precision it computed in (none for the loader rows, which do not train). Writes benchmark.json, benchmark.png
+(plot_results.plot_benchmark) and each run's folder and log to --output-dir.
 """
 
 import argparse
 import datetime
+import functools
+import itertools
 import json
+import math
 import multiprocessing
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from queue import Empty
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -35,14 +49,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from compute import choose_compute
 from demo_data import make_demo_data
 from flags import DEFAULT_BATCH_SIZE, DEFAULT_IMG_SIZE
-from machine import describe_cpu
+from machine import core_budget, describe_cpu
 from model import create_model
 from multi_train_utils.distributed_utils import resolve_device
 from multi_train_utils.train_eval_utils import train_one_epoch
-from plot_results import plot_benchmark
+from my_dataset import read_split_data
 from recipe import build_optimizer
 from run_log import peak_memory
-from training import build_model
+from training import build_loaders, build_model
 from utils import Parser, UserError, entry_point, number, write_json
 
 ROOT = Path(__file__).resolve().parent
@@ -64,7 +78,10 @@ def parse_args(argv=None):
         "--images-per-class", type=number(int, 10), default=60, help="size of the generated dataset (5 classes)"
     )
     p.add_argument("--epochs", type=number(int, 2), default=3, help="epochs per run; the first is not averaged")
-    p.add_argument("--steps", type=number(int, 1), default=20, help="timed steps of the model-only rows")
+    p.add_argument("--steps", type=number(int, 1), default=20, help="timed steps of the rows without a loader")
+    p.add_argument(
+        "--loader-images", type=number(int, 1), default=512, help="timed images of the loader rows (at least)"
+    )
     p.add_argument("--nprocs", type=number(int, 1), help="DDP processes (default: GPUs visible, or 2 on the CPU)")
     p.add_argument("--amp", choices=["auto", "off", "bf16", "fp16"], default="auto", help="precision to measure")
     p.add_argument(
@@ -78,11 +95,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _model_only(queue, img_size, batch_size, amp, channels_last, device, steps):
-    """In a fresh process: `steps` timed training steps on random tensors, after three untimed ones."""
+def _in_memory(queue, mode, img_size, batch_size, amp, channels_last, device, steps):
+    """In a fresh process: `steps` timed training steps on one random batch held in memory, after three untimed
+    ones (allocations, kernel choices). `mode` "bare": the step alone, the batch on the device once; "item": the
+    same with loss.item() after each step; "loop": train_one_epoch, which moves the batch to the device and
+    reads the loss at every step, as training does."""
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = resolve_device(device)
-    compute, summary = choose_compute(amp, channels_last, device, img_size)
+    compute, _ = choose_compute(amp, channels_last, device, img_size)
     model, _ = build_model(5, device, compute)  # as the scripts build it, in one process
     # The training scripts' optimizer at their default settings (the step's cost does not depend on them).
     optimizer, _ = build_optimizer(
@@ -91,30 +111,93 @@ def _model_only(queue, img_size, batch_size, amp, channels_last, device, steps):
     scaler = compute.grad_scaler(device)
     generator = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, 3, img_size, img_size, generator=generator), torch.randint(0, 5, (batch_size,)))
-    train_one_epoch(model, optimizer, [batch] * 3, device, 0, compute, scaler)  # warm-up: allocations, kernels
+    if mode == "loop":
+        run = functools.partial(loop_steps, model, optimizer, scaler, compute, device, batch)
+    else:
+        on_device = compute.batch_to(batch[0], device), batch[1].to(device)
+        run = functools.partial(bare_steps, model, optimizer, scaler, compute, on_device, host_sync=mode == "item")
+    run(3)
+    synchronize(device)
     start = time.perf_counter()
-    _, images = train_one_epoch(model, optimizer, [batch] * steps, device, 0, compute, scaler)
-    seconds = time.perf_counter() - start  # train_one_epoch reads each step's loss, so the device has finished
+    run(steps)
+    synchronize(device)  # the clock stops when the device has finished the queued steps, not when they are queued
+    seconds = time.perf_counter() - start
     queue.put(
-        {
-            "img_per_sec": images / seconds,
-            "summary": summary,
-            "amp_dtype": str(compute.amp_dtype),
-            "channels_last": compute.channels_last,
-            **peak_memory(device),
-        }
+        {"img_per_sec": steps * batch_size / seconds, "host_sync_each_step": mode != "bare", **peak_memory(device)}
     )
 
 
-def model_only(args, amp: str, channels_last: bool | None) -> dict:
+def bare_steps(model, optimizer, scaler, compute, batch, steps: int, host_sync: bool) -> None:
+    """`steps` training steps on `batch` (images and labels on the device): forward under autocast,
+    cross-entropy, the scaled backward pass and the optimizer's step. With `host_sync`, loss.item() after each
+    step, as a loop that logs or checks every step's loss does: the CPU waits for the device, so it cannot queue
+    the next step's work while the device computes this one."""
+    images, labels = batch
+    model.train()
+    for _ in range(steps):
+        with compute.autocast(images.device):
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if host_sync:
+            loss.item()
+
+
+def loop_steps(model, optimizer, scaler, compute, device, batch, steps: int) -> None:
+    """`steps` training steps through train_one_epoch, `batch` (in host memory) standing in for the loader."""
+    train_one_epoch(model, optimizer, [batch] * steps, device, 0, compute, scaler)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the device has finished the work queued on it (the CPU computes as it is asked: nothing to do)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loader(queue, split, img_size, batch_size, workers, images, start_method):
+    """In a fresh process: images per second of the training loader as the training scripts build it (at their
+    default settings, no pinned memory: train() asks for none), iterated without a model. Its workers start as
+    they do in train_single_gpu.py: by `start_method`, the platform's default (this process was spawned, and
+    would otherwise spawn them too, each importing this module anew).
+
+    The first max(2, workers) batches are not timed: the workers start and fill their queues. Then at least
+    `images` images, in whole rounds of `workers` batches (the workers deliver batches in turn, each its own),
+    over as many epochs as that takes."""
+    multiprocessing.set_start_method(start_method, force=True)
+    loader, _ = build_loaders(split, img_size=img_size, batch_size=batch_size, seed=0, workers=workers)
+    batches = batches_over_epochs(loader)
+    for _ in range(max(2, workers)):
+        next(batches)
+    rounds = math.ceil(math.ceil(images / batch_size) / workers)
+    start = time.perf_counter()
+    loaded = sum(len(next(batches)[1]) for _ in range(rounds * workers))
+    seconds = time.perf_counter() - start
+    queue.put({"img_per_sec": loaded / seconds, "workers": workers, **peak_memory(torch.device("cpu"))})
+
+
+def batches_over_epochs(loader):
+    """The loader's batches, epoch after epoch without end, each epoch with its own shuffle as in training."""
+    for epoch in itertools.count():
+        loader.batch_sampler.set_epoch(epoch)
+        yield from loader
+
+
+def in_fresh_process(name: str, target, *args) -> dict:
+    """What `target(queue, *args)` puts on the queue, run in a new interpreter (spawn): no warm caches, no memory
+    or threads left over from another row."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(
-        target=_model_only,
-        args=(queue, args.img_size, args.batch_size, amp, channels_last, args.device, args.steps),
-    )
+    process = context.Process(target=target, args=(queue, *args))
     process.start()
-    result = queue.get()
+    while True:
+        try:
+            result = queue.get(timeout=1)
+            break
+        except Empty:
+            if not process.is_alive():
+                raise UserError(f"{name}: its process failed (exit status {process.exitcode}); see above") from None
     process.join()
     return result
 
@@ -141,20 +224,22 @@ def training_flops_per_image(img_size: int) -> float:
     return counter.get_total_flops() / batch
 
 
-def row(name: str, kind: str, processes: int, precision: str, measured: dict, peak: float, flops: float) -> dict:
-    """One line of the table; `peak` is the FLOP/s of the precision the row computed in."""
-    measured = {key: value for key, value in measured.items() if key not in ("summary", "amp_dtype", "channels_last")}
-    peak_fraction = measured["img_per_sec"] * flops / peak
+def row(name: str, kind: str, processes: int, precision: str, measured: dict, peak=None, flops=None) -> dict:
+    """One line of the table; `peak` is the FLOP/s of the precision the row computed in, `flops` a training
+    step's FLOPs per image (both None for a row that does not train: its peak_fraction is None)."""
+    peak_fraction = measured["img_per_sec"] * flops / peak if flops is not None else None
     return {"name": name, "kind": kind, "processes": processes, "precision": precision, **measured,
             "peak_fraction": peak_fraction}  # fmt: skip
 
 
 def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
-    """The project's speed targets, each with its ratio measured in this run and whether it is met."""
+    """The project's speed targets, each with its ratio measured in this run and whether it is met, and what the
+    per-step loss.item() costs (no target)."""
     first = {}
     for row in rows:
         first.setdefault(row["kind"], row)  # of the model-only rows, the first: the ceiling
     ceiling, baseline, single = first["model-only"], first["baseline"], first["single"]
+    loader = rows_of(rows, "loader")[-1]  # with the training scripts' workers
     over_baseline = 3.5 if native_bf16 else 1.15  # float32 alone is capped by the machine's float32 peak
     kind = "bfloat16 native" if native_bf16 else "float32 only"
     checks = [
@@ -162,6 +247,8 @@ def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
          "{:.0%}"),
         (f"single process >= {over_baseline}x the original's setup ({kind})",
          single["img_per_sec"] / baseline["img_per_sec"], over_baseline, "{:.2f}x"),
+        (f"loader with {worker_phrase(loader['workers'])} feeds {loader['img_per_sec']:.1f} img/s, >= the model-only "
+         "ceiling", loader["img_per_sec"] / ceiling["img_per_sec"], 1.0, "{:.2f}x"),
     ]  # fmt: skip
     for kind in ("torchrun", "spawn"):
         if kind in first:
@@ -175,7 +262,17 @@ def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
         lines.append(
             f"spawn's epoch takes {ratio:.0%} of torchrun's ({'met' if ratio <= 1.1 else 'NOT met'}: <= 110 %)"
         )
-    return lines
+    synced = next(row for row in rows_of(rows, "model-only") if row["host_sync_each_step"])
+    cost = 1 - synced["img_per_sec"] / ceiling["img_per_sec"]
+    return [*lines, f"loss.item() each step costs {cost:.0%} of the ceiling's speed (no target)"]
+
+
+def rows_of(rows: list[dict], kind: str) -> list[dict]:
+    return [row for row in rows if row["kind"] == kind]
+
+
+def worker_phrase(count: int) -> str:
+    return f"{count} worker{'s' * (count != 1)}"
 
 
 def run_script(args, name: str, script: list, flags: list) -> dict:
@@ -206,6 +303,15 @@ def run_script(args, name: str, script: list, flags: list) -> dict:
     }
 
 
+def training_split(data_path: Path, batch_size: int):
+    """The training scripts' split of the data at their default --val-rate and --seed, unreadable images left
+    out; UserError if it holds less than one batch of training images."""
+    split = read_split_data(data_path, verify_images=True)
+    if len(split.train_images) < batch_size:
+        raise UserError(f"{data_path}: {len(split.train_images)} training images, fewer than a batch of {batch_size}")
+    return split
+
+
 def describe_machine(device: str) -> str:
     if device.startswith("cuda"):
         return f"{describe_cpu()}; {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
@@ -222,9 +328,10 @@ def markdown_table(rows: list[dict]) -> str:
     for row in rows:
         epoch = f"{row['epoch_seconds']:.1f}" if row.get("epoch_seconds") else "–"
         first = f"{row['first_epoch_seconds']:.1f}" if row.get("first_epoch_seconds") else "–"
+        peak = f"{row['peak_fraction']:.0%}" if row["peak_fraction"] is not None else "–"
         lines.append(
             f"| {row['name']} | {row['processes']} | {row['precision']} | {row['img_per_sec']:.1f} "
-            f"| {row['img_per_sec'] / baseline:.2f} | {row['peak_fraction']:.0%} | {epoch} | {first} "
+            f"| {row['img_per_sec'] / baseline:.2f} | {peak} | {epoch} | {first} "
             f"| {row['peak_rss_mib']} |"
         )
     return "\n".join(lines)
@@ -238,21 +345,61 @@ def measure_peaks(compute, device: torch.device) -> dict:
     return peaks
 
 
-def measure_rows(args, compute, precision: str, nprocs: int, peaks: dict, flops: float) -> list[dict]:
+def measure_rows(args, compute, precision: str, nprocs: int, peaks: dict, flops: float, split) -> list[dict]:
     """Every row of the table, each measured in fresh processes."""
     layout = "channels_last" if compute.channels_last else "NCHW"
-    ours, fp32 = f"{precision}, {layout}", "float32, NCHW"
+    ours = f"{precision}, {layout}"
     peak_ours = peaks[str(compute.amp_dtype or torch.float32).removeprefix("torch.")]
+    rows = in_memory_rows(args, compute, ours, peak_ours, peaks["float32"], flops) + loader_rows(args, split)
+    return rows + script_rows(args, compute, ours, nprocs, peak_ours, peaks["float32"], flops)
+
+
+def in_memory_rows(args, compute, ours: str, peak_ours: float, peak_fp32: float, flops: float) -> list[dict]:
+    """The rows without a data loader: the bare training step (the first: the ceiling), the same with loss.item()
+    each step, the same in float32 NCHW, and train_one_epoch's loop over a batch in memory."""
+    fp32, channels_last = "float32, NCHW", compute.channels_last
+    cases = [  # name, kind, _in_memory's mode, --amp, channels_last, precision and layout, peak FLOP/s
+        ("model only (the ceiling)", "model-only", "bare", args.amp, channels_last, ours, peak_ours),
+        ("model only, loss.item() each step", "model-only", "item", args.amp, channels_last, ours, peak_ours),
+        ("model only, float32 NCHW", "model-only", "bare", "off", False, fp32, peak_fp32),
+        ("train_one_epoch, tensors in memory", "loop", "loop", args.amp, channels_last, ours, peak_ours),
+    ]
+    settings = (args.img_size, args.batch_size)
+    return [
+        row(name, kind, 1, precision,
+            in_fresh_process(name, _in_memory, mode, *settings, amp, layout, args.device, args.steps), peak, flops)
+        for name, kind, mode, amp, layout, precision, peak in cases
+    ]  # fmt: skip
+
+
+def loader_rows(args, split) -> list[dict]:
+    """The training loader alone: with one worker (what one worker supplies) and with the workers the training
+    scripts use on this device, at least one (where the scripts use none, they load between steps)."""
+    scripts = core_budget(torch.device(args.device), 1, args.batch_size)[0]
+    if scripts == 0:
+        theirs = "loader, 1 worker (the training scripts here: none, images loaded between steps)"
+    else:
+        theirs = f"loader, {worker_phrase(scripts)} (as the training scripts)"
+    start_method = multiprocessing.get_start_method()  # what a script's loader gets: the platform's default
+    rows = []
+    for count, name in ((1, "loader, 1 worker"), (max(1, scripts), theirs)):
+        measure = (split, args.img_size, args.batch_size, count, args.loader_images, start_method)
+        measured = in_fresh_process(name, _loader, *measure)
+        measured["img_per_sec_per_worker"] = measured["img_per_sec"] / count
+        rows.append(row(name, "loader", 1, "–", measured))
+    return rows
+
+
+def script_rows(args, compute, ours: str, nprocs: int, peak_ours: float, peak_fp32: float, flops: float):
+    """The training scripts end to end: the original's setup, train_single_gpu.py and (unless --skip-ddp) the
+    two DDP launch scripts."""
     single = [str(ROOT / "train_single_gpu.py")]
     ours_flags = ["--amp", args.amp, "--channels-last" if compute.channels_last else "--no-channels-last"]
     original_workers = min(os.cpu_count() or 1, args.batch_size, 8)  # the original's num_workers
     baseline = ["--amp", "off", "--no-channels-last", "--no-persistent-workers", "--workers", str(original_workers)]
     rows = [
-        row("model only (the ceiling)", "model-only", 1, ours, model_only(args, args.amp, compute.channels_last),
-            peak_ours, flops),
-        row("model only, float32 NCHW", "model-only", 1, fp32, model_only(args, "off", False), peaks["float32"], flops),
-        row("baseline: the original's setup", "baseline", 1, fp32, run_script(args, "baseline", single, baseline),
-            peaks["float32"], flops),
+        row("baseline: the original's setup", "baseline", 1, "float32, NCHW",
+            run_script(args, "baseline", single, baseline), peak_fp32, flops),
         row("train_single_gpu.py", "single", 1, ours, run_script(args, "single", single, ours_flags), peak_ours, flops),
     ]  # fmt: skip
     if not args.skip_ddp:
@@ -292,7 +439,7 @@ def main(argv=None):
         "Matrix-product peak: " + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
         + f"; a training step is {flops / 1e9:.2f} GFLOP per image"
     )  # fmt: skip
-    rows = measure_rows(args, compute, precision, nprocs, peaks, flops)
+    rows = measure_rows(args, compute, precision, nprocs, peaks, flops, training_split(args.data_path, args.batch_size))
 
     benchmark = {
         "machine": describe_machine(args.device),
@@ -302,10 +449,13 @@ def main(argv=None):
             "img_size": args.img_size, "batch_size": args.batch_size, "nprocs": nprocs, "device": args.device,
             "precision": precision, "channels_last": compute.channels_last, "matmul_peak_flops": peaks,
             "training_flops_per_image": flops, "data_path": str(args.data_path), "epochs": args.epochs,
+            "steps": args.steps, "loader_images": args.loader_images,
         },
         "rows": rows,
     }  # fmt: skip
     write_json(args.output_dir / "benchmark.json", benchmark)
+    from plot_results import plot_benchmark  # here: each row's fresh process imports this module, and draws nothing
+
     plot_benchmark(benchmark, args.output_dir / "benchmark.png")
     print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
     print(markdown_table(rows))

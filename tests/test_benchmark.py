@@ -1,9 +1,13 @@
 """benchmark.py end to end at toy sizes: every row measured, the files written, the table and targets printed."""
 
 import json
+import math
 
+import torch
 from conftest import run_script
 from PIL import Image
+
+from machine import core_budget
 
 
 def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_files(tiny_data, tmp_path, run_main):
@@ -11,15 +15,26 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     result = run_script(
         "benchmark.py",
         *("--data-path", tiny_data, "--output-dir", out, "--img-size", "32", "--batch-size", "8"),
-        *("--epochs", "2", "--steps", "1", "--device", "cpu", "--skip-ddp"),
+        *("--epochs", "2", "--steps", "1", "--loader-images", "16", "--device", "cpu", "--skip-ddp"),
     )
     assert result.returncode == 0, result.stderr
     benchmark = json.loads((out / "benchmark.json").read_text())
-    assert [row["kind"] for row in benchmark["rows"]] == ["model-only", "model-only", "baseline", "single"]
-    for row in benchmark["rows"]:
-        assert row["img_per_sec"] > 0 and row["peak_rss_mib"] > 100
-        assert 0 < row["peak_fraction"] < 1  # of the measured matrix-product peak of its precision
-    baseline, single = benchmark["rows"][2:]
+    rows = benchmark["rows"]
+    kinds = ["model-only"] * 3 + ["loop", "loader", "loader", "baseline", "single"]
+    assert [row["kind"] for row in rows] == kinds
+    for row in rows:
+        assert math.isfinite(row["img_per_sec"]) and row["img_per_sec"] > 0 and row["peak_rss_mib"] > 100
+        if row["kind"] == "loader":  # loads images, trains nothing: no FLOPs
+            assert row["peak_fraction"] is None
+        else:
+            assert 0 < row["peak_fraction"] < 1  # of the measured matrix-product peak of its precision
+    # the ceiling alone runs without a host synchronisation in its loop; the other loops read each step's loss
+    assert [row["host_sync_each_step"] for row in rows[:4]] == [False, True, False, True]
+    # one worker, then the training scripts' count on this machine (at least one)
+    scripts = core_budget(torch.device("cpu"), 1, 8)[0]
+    assert [row["workers"] for row in rows[4:6]] == [1, max(1, scripts)]
+    assert rows[4]["img_per_sec_per_worker"] == rows[4]["img_per_sec"]
+    baseline, single = rows[-2:]
     assert baseline["precision"] == "float32, NCHW" and single["epoch_seconds"] > 0
     # each training row is a real run of the script, with its own metrics; the baseline restarts its loader
     # workers every epoch, as the original did (--no-persistent-workers)
@@ -32,6 +47,8 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     assert 1e6 < settings["training_flops_per_image"] < 1e10  # ResNet-34 at 32 px: about 0.2 GFLOP
     assert "| train_single_gpu.py | 1 |" in result.stdout and "Matrix-product peak: float32" in result.stdout
     assert "of the model-only ceiling" in result.stdout and "x the original's setup" in result.stdout
+    assert "| loader, 1 worker | 1 | – |" in result.stdout and f"loader with {max(1, scripts)} worker" in result.stdout
+    assert "loss.item() each step costs" in result.stdout
     with Image.open(out / "benchmark.png") as png:
         assert png.format == "PNG" and png.width >= 600
     rerun = run_main("benchmark.py", "--data-path", tiny_data, "--output-dir", out, "--skip-ddp")
