@@ -6,7 +6,8 @@
 
 A run folder is read through its metrics.jsonl (one line per epoch, written by run_log.py): the picture has
 three panels, training loss, validation accuracy and learning rate against the epoch, with several runs overlaid.
-A benchmark.json (or a folder holding one and no metrics.jsonl) gives a bar chart of training images per second.
+A benchmark.json (or a folder holding one and no metrics.jsonl) gives a bar chart of images per second: trained,
+or for the loader rows loaded.
 
 Where the PNG goes unless --output says: training_curves.png in the run folder for one run, in the current folder
 for several; benchmark.png next to the benchmark.json. An existing file of that name is replaced.
@@ -126,7 +127,8 @@ def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
 
 
 def plot_benchmark(benchmark: dict, path=None) -> Figure:
-    """Training images per second, one horizontal bar per row of a benchmark (the schema benchmark.py writes).
+    """Images per second, one horizontal bar per row of a benchmark (the schema benchmark.py writes): trained, or
+    for the loader rows loaded.
 
     The title says where and how it was measured (machine, date, torch, image size, batch, precision). Rows keep
     their order, top to bottom; a row whose img_per_sec is null is shown as "not measured". Writes the PNG to
@@ -144,7 +146,7 @@ def plot_benchmark(benchmark: dict, path=None) -> Figure:
     ax.set_yticks(positions, labels=[textwrap.fill(row["name"], 40) for row in rows])
     ax.invert_yaxis()  # the first row on top
     ax.set_xlim(0, max(value or 0 for value in values) * 1.15 or 1)
-    ax.set_xlabel("training images per second (higher is better)")
+    ax.set_xlabel("images per second: trained, or for loader rows loaded (higher is better)")
     ax.grid(axis="x", alpha=0.3)
     where = [str(benchmark[key]) for key in ("machine", "date") if benchmark.get(key)]
     how = [
