@@ -39,7 +39,7 @@ def train(args, plan: Plan, process: Process) -> dict:
     train_loader, val_loader = build_loaders(
         split, img_size=args.img_size, batch_size=args.batch_size, seed=args.seed, world_size=process.world_size,
         rank=process.rank, workers=workers, persistent_workers=args.persistent_workers,
-        auto_augment=args.auto_augment, random_erase=args.random_erase,
+        pin_memory=device.type == "cuda", auto_augment=args.auto_augment, random_erase=args.random_erase,
     )  # fmt: skip
     compute, why = choose_compute(args.amp, args.channels_last, device, args.img_size)
     say(why)

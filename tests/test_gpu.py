@@ -40,14 +40,15 @@ TWO_EPOCHS = ("--epochs", "2", "--seed", "0", *FAST)
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # a process that sees no GPU: a machine without one, as far as torch can tell
 
 # Written into a folder put first on PYTHONPATH: Python imports it at start-up in every process of a run (torchrun's
-# agent, its workers, spawn's workers), and it records what torch's DDP and SyncBatchNorm saw there. It wraps torch's
-# public classes only; the scripts are untouched.
+# agent, its workers, spawn's workers), and it records what torch's DDP, SyncBatchNorm and DataLoader saw there. It
+# wraps torch's public classes only; the scripts are untouched.
 PROBE = """
 import json
 import os
 
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 _LOG = os.path.join(os.environ["GPU_PROBE_DIR"], f"{os.getpid()}.jsonl")
 
@@ -84,8 +85,17 @@ def _probed_sync_bn_forward(self, input):
     return _sync_bn_forward(self, input)
 
 
+_loader_init = DataLoader.__init__
+
+
+def _probed_loader_init(self, *args, **kwargs):
+    _loader_init(self, *args, **kwargs)
+    _record(event="loader", pin_memory=self.pin_memory, workers=self.num_workers)
+
+
 nn.parallel.DistributedDataParallel.__init__ = _probed_ddp_init
 nn.SyncBatchNorm.forward = _probed_sync_bn_forward
+DataLoader.__init__ = _probed_loader_init
 """
 
 
@@ -320,6 +330,8 @@ def test_one_process_of_each_launch_mode_trains_on_nccl_with_sync_batchnorm(tiny
     [ddp] = probe_records(records, "ddp")
     assert ddp["backend"] == "nccl" and ddp["device"] == "cuda:0" and ddp["world_size"] == 1
     assert ddp["sync_bn"] > 0 and ddp["batch_norm"] == 0  # every BatchNorm converted to torch's SyncBatchNorm
+    loaders = probe_records(records, "loader")
+    assert len(loaders) == 2 and all(loader["pin_memory"] for loader in loaders)  # training and validation, pinned
 
 
 def test_one_torchrun_cannot_put_two_processes_on_one_gpu(tiny_data, tmp_path):
