@@ -156,17 +156,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _loader(queue, split, img_size, batch_size, workers, images, start_method):
+def _loader(queue, split, img_size, batch_size, workers, images, start_method, pin_memory):
     """In a fresh process: images per second of the training loader as the training scripts build it (at their
-    default settings, no pinned memory: train() asks for none), iterated without a model. Its workers start as
-    they do in train_single_gpu.py: by `start_method`, the platform's default (this process was spawned, and
-    would otherwise spawn them too, each importing this module anew).
+    default settings; batches in pinned memory for a GPU), iterated without a model. Its workers start as
+    they do in train_single_gpu.py: by `start_method`, the platform's default (this process was started by the
+    forkserver, and would otherwise start them that way too).
 
     The first max(2, workers) batches are not timed: the workers start and fill their queues. Then at least
     `images` images, in whole rounds of `workers` batches (the workers deliver batches in turn, each its own),
     over as many epochs as that takes."""
     multiprocessing.set_start_method(start_method, force=True)
-    loader, _ = build_loaders(split, img_size=img_size, batch_size=batch_size, seed=0, workers=workers)
+    loader, _ = build_loaders(
+        split, img_size=img_size, batch_size=batch_size, seed=0, workers=workers, pin_memory=pin_memory
+    )
     batches = batches_over_epochs(loader)
     for _ in range(max(2, workers)):
         next(batches)
@@ -185,9 +187,11 @@ def batches_over_epochs(loader):
 
 
 def in_fresh_process(name: str, target, *args) -> dict:
-    """What `target(queue, *args)` puts on the queue, run in a new interpreter (spawn): no warm caches, no memory
-    or threads left over from another row."""
-    context = multiprocessing.get_context("spawn")
+    """What `target(queue, *args)` puts on the queue, run in a new process: no warm caches, no memory or threads
+    left over from another row. Each is forked from multiprocessing's forkserver, a process that has imported this
+    module (torch and torchvision with it) and run nothing, so a row does not spend seconds importing them anew."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", __name__])  # takes effect when the server starts, with the first row
     queue = context.Queue()
     process = context.Process(target=target, args=(queue, *args))
     process.start()
@@ -375,7 +379,8 @@ def in_memory_rows(args, compute, ours: str, peak_ours: float, peak_fp32: float,
 def loader_rows(args, split) -> list[dict]:
     """The training loader alone: with one worker (what one worker supplies) and with the workers the training
     scripts use on this device, at least one (where the scripts use none, they load between steps)."""
-    scripts = core_budget(torch.device(args.device), 1, args.batch_size)[0]
+    device = torch.device(args.device)
+    scripts = core_budget(device, 1, args.batch_size)[0]
     if scripts == 0:
         theirs = "loader, 1 worker (the training scripts here: none, images loaded between steps)"
     else:
@@ -384,6 +389,7 @@ def loader_rows(args, split) -> list[dict]:
     rows = []
     for count, name in ((1, "loader, 1 worker"), (max(1, scripts), theirs)):
         measure = (split, args.img_size, args.batch_size, count, args.loader_images, start_method)
+        measure += (device.type == "cuda",)  # pinned, as train() asks on a GPU
         measured = in_fresh_process(name, _loader, *measure)
         measured["img_per_sec_per_worker"] = measured["img_per_sec"] / count
         rows.append(row(name, "loader", 1, "–", measured))
