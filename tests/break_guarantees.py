@@ -68,7 +68,18 @@ def main(selected: list[str]) -> int:
             if original.count(text) != 1:
                 raise SystemExit(f"{name}: the text to break is not in {path} exactly once; update this script")
             source.write_text(original.replace(text, replacement))
-            command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test]
+            command = [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-x",
+                "-n",
+                "0",
+                "-p",
+                "no:cacheprovider",
+                test,
+            ]  # no workers
             result = subprocess.run(command, cwd=copy, capture_output=True, text=True)
         summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-200:]
         # Caught means an assertion failed; an error (the broken copy did not even run) proves nothing.

@@ -3,6 +3,7 @@
 import importlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from demo_data import make_demo_data  # noqa: E402
+from machine import available_cores  # noqa: E402
 
 # Settings that make a training run take seconds: tiny images, small batches.
 FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0"]
@@ -24,6 +27,64 @@ FAULTS = ROOT / "tests" / "fault_injection"
 REFERENCE_FLAGS = ("--epochs", "4", "--seed", "0", *FAST)
 # Two DDP epochs in float32 on any CPU (--amp off: bfloat16 where native would make runs differ between machines).
 DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", "--amp", "off", *FAST)
+
+
+# The suite runs in parallel with pytest-xdist (pyproject.toml: -n auto --dist loadfile): each test file in one
+# worker process, so a file's module fixtures are made once; the session fixtures that train are shared between
+# the workers (made_once). Each worker keeps an equal share of the cores, and every script it starts inherits it:
+# the scripts size their threads by the cores they may use, so the workers never run more threads than there are
+# cores (on 2 cores, oversubscribed training threads wait on each other and a step takes ten times as long).
+MAX_WORKERS = 4  # beyond it the suite gains little (its longest file takes about a minute) and memory grows
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: -n auto's number of workers
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(MAX_WORKERS, available_cores()))
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") or not hasattr(os, "sched_setaffinity"):
+        return  # not an xdist worker (-n 0, or the controller), or a platform without CPU affinity
+    cores, index = sorted(os.sched_getaffinity(0)), int(config.workerinput["workerid"].removeprefix("gw"))
+    per_worker = max(1, len(cores) // int(config.workerinput["workercount"]))  # equal shares: equal thread counts
+    share = cores[index * per_worker : (index + 1) * per_worker] or cores[index % len(cores) :][:1]
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))  # tests that train in this process, too
+
+
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory, pytestconfig) -> Path:
+    """A folder of this test session that all its xdist workers share (each worker's own tmp folders are in it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(pytestconfig, "workerinput") else base
+
+
+def made_once(shared_tmp: Path, name: str, make):
+    """`make(folder)`'s result for the folder shared_tmp/name (which make creates), made once per session: by the
+    first xdist worker that asks, while any other that asks waits for it (a file lock) and then reads the result
+    it saved. `make` returns a path or a finished process (subprocess.CompletedProcess), or a tuple of them."""
+    folder, saved = shared_tmp / name, shared_tmp / f"{name}.json"
+    with FileLock(shared_tmp / f"{name}.lock"):
+        if not saved.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed to make it left
+            saved.write_text(json.dumps(to_json(make(folder))))
+    return from_json(json.loads(saved.read_text()))
+
+
+def to_json(value):
+    if isinstance(value, tuple):
+        return [to_json(item) for item in value]
+    if isinstance(value, Path):
+        return {"path": str(value)}
+    return {"returncode": value.returncode, "args": value.args, "stdout": value.stdout, "stderr": value.stderr}
+
+
+def from_json(value):
+    if isinstance(value, list):
+        return tuple(from_json(item) for item in value)
+    if "path" in value:
+        return Path(value["path"])
+    return subprocess.CompletedProcess(value["args"], value["returncode"], value["stdout"], value["stderr"])
 
 
 def fault_env(fault: str | None = None) -> dict:
@@ -135,48 +196,52 @@ def torchrun(nproc: int) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
+def tiny_data(shared_tmp) -> Path:
     """5 classes x 12 JPEGs of 48x40 pixels: enough for a run to go through every step, not to learn."""
-    return make_demo_data(tmp_path_factory.mktemp("data") / "tiny", images_per_class=12, size=(48, 40))
+    return made_once(shared_tmp, "tiny_data", lambda folder: make_demo_data(folder, images_per_class=12, size=(48, 40)))
 
 
 @pytest.fixture(scope="session")
-def learnable_data(tmp_path_factory) -> Path:
-    """5 classes x 80 demo JPEGs: a 6-epoch run at 48 px learns well above chance (0.65-0.74 at seeds 0 and 1)."""
-    return make_demo_data(tmp_path_factory.mktemp("data") / "learnable", images_per_class=80)
+def learnable_data(shared_tmp) -> Path:
+    """5 classes x 80 demo JPEGs: a 6-epoch run at 32 px learns well above chance (0.69 and 0.68 at seeds 0 and 1;
+    at 48 px, 0.65-0.75, in half as many seconds again)."""
+    return made_once(shared_tmp, "learnable_data", lambda folder: make_demo_data(folder, images_per_class=80))
 
 
 @pytest.fixture(scope="session")
-def trained_run(learnable_data, tmp_path_factory):
-    """One short single-process run on learnable_data (6 epochs at 48 px): its folder and the finished process.
+def trained_run(learnable_data, shared_tmp):
+    """One short single-process run on learnable_data (6 epochs at 32 px): its folder and the finished process.
 
     Shared by every test that needs a trained model (predict, evaluate, plots), so the suite trains it once.
     """
-    out = tmp_path_factory.mktemp("trained") / "run"
-    result = run_script(
-        "train_single_gpu.py",
-        *("--data-path", learnable_data, "--output-dir", out, "--img-size", "48", "--batch-size", "32"),
-        *("--epochs", "6", "--lr", "0.01", "--workers", "0"),
-    )
-    assert result.returncode == 0, result.stderr
-    return out, result
+
+    def make(folder):
+        out = folder / "run"
+        result = run_script(
+            "train_single_gpu.py",
+            *("--data-path", learnable_data, "--output-dir", out, "--img-size", "32", "--batch-size", "32"),
+            *("--epochs", "6", "--lr", "0.01", "--workers", "0"),
+        )
+        assert result.returncode == 0, result.stderr
+        return out, result
+
+    return made_once(shared_tmp, "trained_run", make)
 
 
 @pytest.fixture(scope="session")
-def torchrun_run(tiny_data, tmp_path_factory):
+def torchrun_run(tiny_data, shared_tmp):
     """torchrun with 2 processes on tiny_data (DDP_FLAGS): the finished process and its run folder."""
-    out = tmp_path_factory.mktemp("torchrun") / "run"
-    result = run_script(
-        "train_multi_gpu_using_launch.py",
-        "--data-path",
-        tiny_data,
-        "--output-dir",
-        out,
-        *DDP_FLAGS,
-        launcher=torchrun(2),
-    )
-    assert result.returncode == 0, result.stderr
-    return result, out
+
+    def make(folder):
+        out = folder / "run"
+        result = run_script(
+            "train_multi_gpu_using_launch.py", "--data-path", tiny_data, "--output-dir", out, *DDP_FLAGS,
+            launcher=torchrun(2),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return result, out
+
+    return made_once(shared_tmp, "torchrun_run", make)
 
 
 @pytest.fixture(scope="session")
@@ -189,23 +254,31 @@ def taken_port():
 
 
 @pytest.fixture(scope="session")
-def spawn_run(tiny_data, tmp_path_factory, taken_port):
+def spawn_run(tiny_data, shared_tmp, taken_port):
     """The spawn script with 2 processes on tiny_data (DDP_FLAGS), started with MASTER_PORT set to a port that is
     taken, as when another job holds it: it must choose another and train as usual."""
-    out = tmp_path_factory.mktemp("spawn") / "run"
-    result = run_script(
-        "train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--output-dir", out, "--world-size", "2",
-        *DDP_FLAGS, env={"MASTER_PORT": str(taken_port)},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return result, out
+
+    def make(folder):
+        out = folder / "run"
+        result = run_script(
+            "train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--output-dir", out, "--world-size", "2",
+            *DDP_FLAGS, env={"MASTER_PORT": str(taken_port)},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return result, out
+
+    return made_once(shared_tmp, "spawn_run", make)
 
 
 @pytest.fixture(scope="session")
-def reference_run(tiny_data, tmp_path_factory):
+def reference_run(tiny_data, shared_tmp):
     """One uninterrupted single-process run on tiny_data, 4 epochs, seed 0 (REFERENCE_FLAGS): its folder. Runs
     that must end bitwise like it (the same seed again, a killed and resumed run) use the same flags."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    result = run_script("train_single_gpu.py", *REFERENCE_FLAGS, "--data-path", tiny_data, "--output-dir", out)
-    assert result.returncode == 0, result.stderr
-    return out
+
+    def make(folder):
+        out = folder / "run"
+        result = run_script("train_single_gpu.py", *REFERENCE_FLAGS, "--data-path", tiny_data, "--output-dir", out)
+        assert result.returncode == 0, result.stderr
+        return out
+
+    return made_once(shared_tmp, "reference_run", make)

@@ -59,8 +59,8 @@ def test_tensorboard_shows_predictions_each_epoch_and_the_runs_flags(trained_run
     assert best == pytest.approx(expected)  # TensorBoard stores float32
     start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     flags = plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams
-    assert flags["epochs"].number_value == 6 and flags["img_size"].number_value == 48
-    # switches as text (a bool would become the number 1); the layout as "auto" chose it (48 px: NCHW on the CPU)
+    assert flags["epochs"].number_value == 6 and flags["img_size"].number_value == 32
+    # switches as text (a bool would become the number 1); the layout as "auto" chose it (32 px: NCHW on the CPU)
     assert flags["amp"].string_value == "auto" and flags["channels_last"].string_value == "False"
 
 
