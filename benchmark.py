@@ -54,6 +54,7 @@ from model import create_model
 from multi_train_utils.distributed_utils import resolve_device
 from multi_train_utils.train_eval_utils import train_one_epoch
 from my_dataset import read_split_data
+from plot_results import plot_benchmark
 from recipe import build_optimizer
 from run_log import peak_memory
 from training import build_loaders, build_model
@@ -460,7 +461,6 @@ def main(argv=None):
         "rows": rows,
     }  # fmt: skip
     write_json(args.output_dir / "benchmark.json", benchmark)
-    from plot_results import plot_benchmark  # here: each row's fresh process imports this module, and draws nothing
 
     plot_benchmark(benchmark, args.output_dir / "benchmark.png")
     print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
