@@ -19,12 +19,11 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from flags import DEFAULT_IMG_SIZE
-from inference import add_model_arguments, image_loader, load_trained_model
 from multi_train_utils.distributed_utils import resolve_device
 from multi_train_utils.train_eval_utils import evaluate
 from my_dataset import read_split_data
 from plot_results import save_png
+from plumbing.inference import add_model_arguments, image_loader, load_trained_model
 from utils import HelpFormatter, Parser, UserError, check_writable, describe, entry_point, number, write_json
 
 TOPK = 5  # top-5 accuracy, reported with more classes than this
@@ -129,12 +128,12 @@ def scores_report(classes: list[str], confusion: torch.Tensor, scores: dict, in_
 def main(argv=None):
     args = parse_args(argv)
     trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device))
-    data_path = trained.setting("data_path", args.data_path, None)
+    data_path = trained.setting("data_path", args.data_path)
     if data_path is None:
         raise UserError(f"no data: give --data-path (the flags of the run of {args.weights} were not found)")
     if args.data_path is None and not Path(data_path).is_dir():
         raise UserError(f"the run's data path {data_path} is not a folder here: give --data-path")
-    val_rate, seed = trained.setting("val_rate", args.val_rate, 0.2), trained.setting("seed", args.seed, 0)
+    val_rate, seed = trained.setting("val_rate", args.val_rate), trained.setting("seed", args.seed)
     output_dir = args.output_dir or trained.run_folder / "eval"
     check_writable(output_dir)
 
@@ -159,7 +158,7 @@ def main(argv=None):
     print()
     print_table(split.classes, scores)
 
-    img_size = trained.setting("img_size", args.img_size, DEFAULT_IMG_SIZE)
+    img_size = trained.setting("img_size", args.img_size)
     report = {"weights": str(args.weights), "split": used, "img_size": img_size}
     write_json(output_dir / "eval.json", report | scores_report(split.classes, confusion, scores, in_top5))
     title = f"{args.weights.name}: accuracy {correct / total:.3f} ({correct}/{total}, {used['images']} images)"

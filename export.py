@@ -29,10 +29,9 @@ from types import SimpleNamespace
 
 import torch
 
-from flags import DEFAULT_IMG_SIZE
-from inference import add_run_overrides, image_loader, load_trained_model
 from multi_train_utils.distributed_utils import resolve_device
 from my_dataset import IMAGENET_MEAN, IMAGENET_STD, RESIZE_RATIO, image_problem, list_images
+from plumbing.inference import add_run_overrides, image_loader, load_trained_model
 from utils import HelpFormatter, Parser, UserError, check_writable, entry_point, write_atomically
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}  # the default output's suffix
@@ -193,7 +192,7 @@ def check_images(data_path: Path) -> list[Path]:
 def check_batch(trained, args, img_size: int) -> tuple[torch.Tensor, str]:
     """The check's input and where it came from: images of the data folder (--data-path, else the run's), prepared
     as evaluate.py prepares them; a seeded random batch when there are none."""
-    data_path = trained.setting("data_path", args.data_path, None)
+    data_path = trained.setting("data_path", args.data_path)
     images = []
     if data_path is None:
         why = "no data folder known"
@@ -228,7 +227,7 @@ def main(argv=None):
     if args.format == "onnx" and importlib.util.find_spec("onnxscript") is None:
         raise UserError("ONNX export needs onnxscript (and onnx): pip install onnx onnxscript onnxruntime")
     trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device))
-    img_size = trained.setting("img_size", args.img_size, DEFAULT_IMG_SIZE)
+    img_size = trained.setting("img_size", args.img_size)
     # float32 and NCHW whatever the run's --amp and --channels-last: no autocast here, and contiguous weights
     model = trained.model.float().to(memory_format=torch.contiguous_format)
     prep = preprocessing(img_size)

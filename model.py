@@ -23,6 +23,7 @@ import torchvision
 from torch import nn
 from torchvision.models import get_model, get_model_weights, list_models
 
+from multi_train_utils.distributed_utils import print_once
 from utils import UserError, safe_load
 
 # Prefixes that wrappers add to parameter names: DataParallel/DDP ("module.") and torch.compile ("_orig_mod.").
@@ -218,3 +219,36 @@ def freeze_all_but_head(model: nn.Module, name: str = DEFAULT_MODEL) -> None:
     head = head_names(name)
     for key, parameter in model.named_parameters():
         parameter.requires_grad_(key in head)
+
+
+def initial_model(
+    name: str,
+    num_classes: int,
+    device: torch.device,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    *,
+    seed: int = 0,
+    weights: Path | None = None,
+    freeze: bool = False,
+) -> nn.Module:
+    """torchvision's `name` as a run starts it: seeded (the same initial weights in every process), then `weights`
+    loaded into it (saying what was loaded and skipped), all but its head frozen when `freeze`, on `device` in
+    `memory_format`."""
+    torch.manual_seed(seed)
+    model = create_model(num_classes, name)
+    if weights is not None:
+        print_once(f"Weights from {weights}: {load_weights(model, weights, name=name).summary()}")
+    if freeze:
+        freeze_all_but_head(model, name)
+    return model.to(device, memory_format=memory_format)
+
+
+def data_parallel_over_gpus(model: nn.Module, device: torch.device) -> nn.Module:
+    """nn.DataParallel over every visible GPU, `device` first (it gathers the outputs and holds the master copy);
+    the model itself where there is only one device to run on."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus < 2:
+        print(f"--data-parallel: only one device ({device}) to run on, so the model trains as it is")
+        return model
+    print(f"DataParallel over {gpus} GPUs: each step splits its batch between them, cuda:{device.index} gathers")
+    return torch.nn.DataParallel(model, device_ids=[device.index, *(i for i in range(gpus) if i != device.index)])

@@ -283,6 +283,14 @@ class MyDataSet(Dataset):
         return image, label
 
 
+def datasets(split: DataSplit, config) -> tuple["SeededSamples", MyDataSet]:
+    """The training set (augmented, each image seeded by SeededBatchSampler) and the validation set of a split,
+    at `config`'s image size and augmentation (a Config: img_size, auto_augment, random_erase)."""
+    augment = train_transform(config.img_size, auto_augment=config.auto_augment, random_erase=config.random_erase)
+    train_set = SeededSamples(MyDataSet(split.train_images, split.train_labels, augment))
+    return train_set, MyDataSet(split.val_images, split.val_labels, val_transform(config.img_size))
+
+
 class SeededSamples(Dataset):
     """A dataset whose items are asked for as (index, seed), as SeededBatchSampler gives them: the random
     augmentation of each is drawn from `seed` alone, so it does not depend on which loader worker (or how many)

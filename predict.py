@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from inference import add_model_arguments, image_loader, load_trained_model
 from multi_train_utils.distributed_utils import resolve_device
 from my_dataset import IMAGE_EXTENSIONS, SKIPPED, image_problem, list_images
+from plumbing.inference import add_model_arguments, image_loader, load_trained_model
 from utils import HelpFormatter, Parser, UserError, describe, entry_point, positive_int
 
 

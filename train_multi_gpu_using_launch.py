@@ -1,31 +1,116 @@
-"""Train ResNet-34 with DistributedDataParallel, one process per device, started by a launcher.
+"""Train ResNet-34 (or any torchvision classifier) with DistributedDataParallel, one process per device, each
+process started by a launcher.
 
     torchrun --nproc_per_node=2 train_multi_gpu_using_launch.py --demo
     CUDA_VISIBLE_DEVICES=0,3 torchrun --nproc_per_node=2 train_multi_gpu_using_launch.py --data-path flower_photos
 
-torchrun (or `python -m torch.distributed.launch --use_env`, or SLURM's srun) starts the processes and tells
-each one its RANK, WORLD_SIZE and LOCAL_RANK in environment variables; this script reads them and joins the
-group. Started with plain `python`, it trains in one process.
+torchrun (or `python -m torch.distributed.launch --use_env`, or SLURM's srun) starts the processes and tells each
+one its RANK, WORLD_SIZE and LOCAL_RANK in environment variables; each reads them and joins the group. Started with
+plain `python`, the script trains in one process.
 """
 
-from flags import parse_args, prepare
-from multi_train_utils.distributed_utils import cleanup, init_distributed_mode, launcher_environment
-from training import train
+import time
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from model import initial_model
+from multi_train_utils.distributed_utils import (
+    cleanup,
+    init_distributed_mode,
+    is_main_process,
+    launcher_environment,
+    on_main_process,
+    print_once,
+    shuffled_batches,
+    val_shard,
+)
+from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
+from multi_train_utils.train_eval_utils import Training, train_one_epoch, unreadable_limits, validate
+from my_dataset import datasets
+from plumbing.checkpoint import resume_from
+from plumbing.compute import choose_compute
+from plumbing.config import parse_config
+from plumbing.machine import use_cores
+from plumbing.plan import prepare
+from plumbing.recipe import build_objective, build_optimizer, model_ema
+from plumbing.run_log import RunLog, announce, best_so_far, epoch_metrics
 from utils import entry_point
 
 
 @entry_point
 def main(argv=None):
-    args = parse_args("train_multi_gpu_using_launch", __doc__.splitlines()[0], argv)
-    launched = launcher_environment()
+    config = parse_config("train_multi_gpu_using_launch", __doc__.splitlines()[0], argv)
+    launched = launcher_environment()  # DDP: torchrun set this process's RANK, WORLD_SIZE and LOCAL_RANK
     if launched is None:
         print("Not started by torchrun or SLURM: training in one process (see --help for the torchrun command).")
-    plan = prepare(args, world_size=launched["world_size"] if launched else 1)
-    process = init_distributed_mode(args.device, args.dist_backend, args.dist_url, args.dist_timeout)
+    plan = prepare(config, world_size=launched["world_size"] if launched else 1)
+    # DDP: join the process group (every process waits here for all the others), on the local rank's GPU
+    process = init_distributed_mode(config.device, config.dist_backend, config.dist_url, config.dist_timeout)
     try:
-        train(args, plan, process)
+        train(config, plan, process)
     finally:
-        cleanup()
+        cleanup()  # DDP: leave the process group
+
+
+def train(config, plan, process) -> dict:
+    """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
+    device = process.device
+    # DDP: the processes on this machine share its cores (loader workers and, on the CPU, compute threads)
+    workers = use_cores(device, process.local_world_size, config.batch_size, config.workers)
+    announce(config.script, process, plan.split, workers)
+    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
+    loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
+
+    # The data. DDP: each process trains on its own shard of every epoch's shuffle (a DistributedSampler)...
+    train_set, val_set = datasets(plan.split, config)
+    batches = shuffled_batches(train_set, config.batch_size, config.seed, process.rank, process.world_size)
+    train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
+    # ... and validates images rank, rank + world size, ...: every image once over the processes, none padded
+    val_sampler = val_shard(val_set, process.rank, process.world_size)
+    val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
+
+    # The model: the same seeded initial weights in every process (DDP also broadcasts rank 0's when it wraps)
+    compute, why = choose_compute(config.amp, config.channels_last, device, config.img_size)
+    print_once(why)
+    model = initial_model(
+        config.model, len(plan.split.classes), device, compute.memory_format,
+        seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
+    )  # fmt: skip
+    if config.sync_bn and not config.freeze_layers:  # (frozen layers: synchronised statistics would buy nothing)
+        model = convert_sync_batchnorm(model, device)  # DDP: BatchNorm statistics over the global batch
+    # DDP: the wrapper all-reduces the gradients during backward, so every process takes the same step
+    trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    trained = torch.compile(trained) if config.compile else trained
+
+    # The recipe. DDP: a step averages world_size batches, so the learning rate is world_size times --lr
+    optimizer, scheduler = build_optimizer(trained, config, len(train_loader), world_size=process.world_size)
+    training = Training(
+        trained, optimizer, scheduler, compute, compute.grad_scaler(device), build_objective(config, plan.split),
+        ema=model_ema(model, config.ema_decay) if config.model_ema else None, accumulate=config.accumulate,
+    )  # fmt: skip
+    start_epoch, best_acc = resume_from(plan.resume, model, training, config.epochs)
+
+    # DDP: rank 0 alone writes the run's files; the others keep theirs closed
+    log = RunLog(config, plan, process, compute, val_set, start_epoch, enabled=is_main_process())
+    expected = (len(train_loader) * config.batch_size * process.world_size, len(val_set))  # an epoch's images
+    limits = unreadable_limits(*expected, config.strict_images)
+    metrics = {}
+    for epoch in range(start_epoch, config.epochs):
+        batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch; DDP: every shard moves with it
+        lr, start = optimizer.param_groups[0]["lr"], time.perf_counter()
+        # DDP: train_one_epoch and validate all-reduce their sums, so every process logs the global figures
+        trained_epoch = train_one_epoch(training, train_loader, device, epoch, limits[0])
+        train_seconds = time.perf_counter() - start
+        confusion, ema_metrics = validate(model, training, val_loader, device, len(plan.split.classes), limits[1])
+        seconds = (train_seconds, time.perf_counter() - start)
+        metrics = epoch_metrics(epoch, lr, trained_epoch, seconds, confusion, expected, process) | ema_metrics
+        best, best_acc = best_so_far(metrics, model, training.ema, best_acc)
+        # DDP: rank 0 writes the epoch; the others wait for it, and stop with it if it cannot
+        on_main_process(log.epoch, metrics, model, training, best, best_acc)
+    log.done(best_acc)
+    return metrics
 
 
 if __name__ == "__main__":

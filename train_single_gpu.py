@@ -1,20 +1,89 @@
-"""Train ResNet-34 in one process on one device (a GPU, or the CPU when there is none).
+"""Train ResNet-34 (or any torchvision classifier) in one process on one device: a GPU, or the CPU when there is
+none.
 
-python train_single_gpu.py --demo
-python train_single_gpu.py --data-path flower_photos --device cuda:0
+    python train_single_gpu.py --demo
+    python train_single_gpu.py --data-path flower_photos --device cuda:0
+
+This is the baseline the two DDP scripts are read against: `diff train_single_gpu.py
+train_multi_gpu_using_launch.py` shows what DistributedDataParallel changes, each changed line saying why.
 """
 
-from flags import parse_args, prepare
-from multi_train_utils.distributed_utils import single_process
-from training import train
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+from model import data_parallel_over_gpus, initial_model
+from multi_train_utils.distributed_utils import print_once, shuffled_batches, single_process
+from multi_train_utils.train_eval_utils import Training, train_one_epoch, unreadable_limits, validate
+from my_dataset import datasets
+from plumbing.checkpoint import resume_from
+from plumbing.compute import choose_compute
+from plumbing.config import parse_config
+from plumbing.machine import use_cores
+from plumbing.plan import prepare
+from plumbing.recipe import build_objective, build_optimizer, model_ema
+from plumbing.run_log import RunLog, announce, best_so_far, epoch_metrics
 from utils import entry_point
 
 
 @entry_point
 def main(argv=None):
-    args = parse_args("train_single_gpu", __doc__.splitlines()[0], argv)
-    plan = prepare(args, world_size=1)
-    train(args, plan, single_process(args.device))  # no process group: rank 0 of a world of one
+    config = parse_config("train_single_gpu", __doc__.splitlines()[0], argv)
+    plan = prepare(config, world_size=1)
+    process = single_process(config.device)  # no process group: rank 0 of a world of one
+    train(config, plan, process)
+
+
+def train(config, plan, process) -> dict:
+    """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
+    device = process.device
+    # This process has the machine's cores (for loader workers and, on the CPU, compute threads)
+    workers = use_cores(device, 1, config.batch_size, config.workers)
+    announce(config.script, process, plan.split, workers)
+    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
+    loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
+
+    # The data: every epoch a new seeded shuffle of all the training images, in batches
+    train_set, val_set = datasets(plan.split, config)
+    batches = shuffled_batches(train_set, config.batch_size, config.seed)
+    train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
+    val_loader = DataLoader(val_set, batch_size=config.batch_size, **loading)
+
+    # The model, its initial weights seeded
+    compute, why = choose_compute(config.amp, config.channels_last, device, config.img_size)
+    print_once(why)
+    model = initial_model(
+        config.model, len(plan.split.classes), device, compute.memory_format,
+        seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
+    )  # fmt: skip
+    trained = data_parallel_over_gpus(model, device) if config.data_parallel else model
+    trained = torch.compile(trained) if config.compile else trained
+
+    # The recipe
+    optimizer, scheduler = build_optimizer(trained, config, len(train_loader))
+    training = Training(
+        trained, optimizer, scheduler, compute, compute.grad_scaler(device), build_objective(config, plan.split),
+        ema=model_ema(model, config.ema_decay) if config.model_ema else None, accumulate=config.accumulate,
+    )  # fmt: skip
+    start_epoch, best_acc = resume_from(plan.resume, model, training, config.epochs)
+
+    log = RunLog(config, plan, process, compute, val_set, start_epoch)
+    expected = (len(train_loader) * config.batch_size * process.world_size, len(val_set))  # an epoch's images
+    limits = unreadable_limits(*expected, config.strict_images)
+    metrics = {}
+    for epoch in range(start_epoch, config.epochs):
+        batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
+        lr, start = optimizer.param_groups[0]["lr"], time.perf_counter()
+        trained_epoch = train_one_epoch(training, train_loader, device, epoch, limits[0])
+        train_seconds = time.perf_counter() - start
+        confusion, ema_metrics = validate(model, training, val_loader, device, len(plan.split.classes), limits[1])
+        seconds = (train_seconds, time.perf_counter() - start)
+        metrics = epoch_metrics(epoch, lr, trained_epoch, seconds, confusion, expected, process) | ema_metrics
+        best, best_acc = best_so_far(metrics, model, training.ema, best_acc)
+        log.epoch(metrics, model, training, best, best_acc)
+    log.done(best_acc)
+    return metrics
 
 
 if __name__ == "__main__":

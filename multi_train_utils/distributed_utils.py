@@ -1,16 +1,20 @@
-"""Distributed helpers: joining the process group, this process's place in it, rank queries and reductions.
+"""Distributed helpers: joining the process group, this process's place in it, rank queries, reductions, and the
+DistributedSampler set-up that gives each process its shard of the data.
 
 Every function works in a single process too (rank 0 of a world of 1), so the shared training code calls them
 without asking which launch mode it runs under.
 """
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import BatchSampler, DistributedSampler
 
+from my_dataset import SeededBatchSampler
 from utils import UserError
 
 
@@ -28,6 +32,12 @@ def get_world_size() -> int:
 
 def is_main_process() -> bool:
     return get_rank() == 0
+
+
+def print_once(*message) -> None:
+    """print, on the main process alone: one line per job, not one per process."""
+    if is_main_process():
+        print(*message, flush=True)
 
 
 def launcher_environment() -> dict | None:
@@ -83,16 +93,19 @@ def init_distributed_mode(
     """Join the process group, on this process's device; returns where this process stands.
 
     torchrun and SLURM describe the process in environment variables; spawn passes `rank` and `world_size`
-    (with MASTER_ADDR/MASTER_PORT in the environment). Without either: one process, no group. The backend is
-    nccl on GPUs and gloo on the CPU unless `backend` says otherwise.
+    (with MASTER_ADDR/MASTER_PORT in the environment). Without either (the launch script started with plain
+    python), a group of one on a free port of this machine, on the device named: the DDP code runs unchanged. The
+    backend is nccl on GPUs and gloo on the CPU unless `backend` says otherwise.
     """
     if rank is not None:
         found = {"rank": rank, "world_size": world_size, "local_rank": rank, "local_world_size": world_size}
     else:
         found = launcher_environment()
+    local_rank = None if found is None else found["local_rank"]  # a group of one: the device named, as it is
     if found is None:
-        return single_process(device)
-    process = Process(**found, device=resolve_device(device, local_rank=found["local_rank"]), distributed=True)
+        found = {"rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1}
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+    process = Process(**found, device=resolve_device(device, local_rank=local_rank), distributed=True)
     if process.device.type == "cuda":
         torch.cuda.set_device(process.device)
     timeout = timedelta(seconds=timeout_s)
@@ -107,6 +120,13 @@ def init_distributed_mode(
         device_id=process.device if process.device.type == "cuda" else None,
     )
     return process
+
+
+def find_free_port() -> int:
+    """A TCP port on this machine that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def restart_safe_store(dist_url: str, process: Process, timeout: timedelta):
@@ -202,3 +222,22 @@ def on_main_process(function, *args) -> None:
     message = broadcast_object(message)  # also the barrier: no rank goes on before rank 0 is done
     if message is not None:
         raise UserError(message)
+
+
+def shuffled_batches(dataset, batch_size: int, seed: int, rank: int = 0, world_size: int = 1) -> SeededBatchSampler:
+    """The training batches of process `rank` of `world_size`: its shard of each epoch's seeded shuffle of
+    `dataset` (a DistributedSampler; a world of one takes the whole shuffle), in batches of `batch_size`, each
+    index paired with its augmentation seed (SeededBatchSampler). Call set_epoch(epoch) before each epoch.
+
+    Shards are disjoint: drop_last makes the sampler drop the tail instead of repeating images to even them out,
+    and incomplete batches are dropped too, so every step of every rank has the same batch size. One process with
+    batches of W*b images sees, step by step, what W processes with b each see together.
+    """
+    shard = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    return SeededBatchSampler(BatchSampler(shard, batch_size, drop_last=True), seed)
+
+
+def val_shard(dataset, rank: int, world_size: int) -> range:
+    """The validation images of process `rank`: rank, rank + world_size, ...: disjoint, nothing padded (unlike a
+    DistributedSampler's), so summed over the processes every image counts exactly once."""
+    return range(rank, len(dataset), world_size)

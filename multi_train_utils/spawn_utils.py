@@ -11,7 +11,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from multi_train_utils.distributed_utils import resolve_device
+from multi_train_utils.distributed_utils import find_free_port, resolve_device
 from utils import UserError
 
 
@@ -32,13 +32,6 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def find_free_port() -> int:
-    """A TCP port on this machine that nothing listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def choose_meeting_point() -> str:

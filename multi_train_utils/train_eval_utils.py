@@ -2,14 +2,16 @@
 
 import contextlib
 import sys
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from compute import Compute
 from multi_train_utils.distributed_utils import is_main_process, reduce_value
 from my_dataset import SKIPPED
-from recipe import Objective
+from plumbing.compute import Compute
+from plumbing.recipe import Objective
 from utils import UserError
 
 
@@ -18,38 +20,41 @@ class NonFiniteLossError(UserError):
     the same step, so no rank is left waiting, and before the step, so the weights stay finite."""
 
 
-def train_one_epoch(
-    model,
-    optimizer,
-    data_loader,
-    device,
-    epoch: int,
-    compute: Compute = Compute(),
-    scaler=None,
-    max_skipped=None,
-    *,
-    objective: Objective | None = None,
-    scheduler=None,
-    accumulate: int = 1,
-    ema=None,
-) -> tuple[float, int]:
+@dataclass
+class Training:
+    """What a training step uses and changes: the model as it is trained (wrapped in DDP, compiled, ...), its
+    optimizer and learning-rate schedule, how it computes (precision, memory layout, and the gradient scaler that
+    float16 needs), the loss (`objective`), the weights' moving average (`ema`, or None) and the number of
+    micro-batches whose gradients each optimizer step sums (`accumulate`)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    compute: Compute = Compute()
+    scaler: torch.amp.GradScaler | None = None
+    objective: Objective = Objective()
+    ema: nn.Module | None = None
+    accumulate: int = 1
+
+
+def train_one_epoch(training: Training, data_loader, device, epoch: int, max_skipped=None) -> tuple[float, int]:
     """Train for one epoch; returns (mean loss over every sample of every rank, images trained on by all ranks).
 
-    Each step sums the gradients of `accumulate` micro-batches (the last step of an epoch those that are left)
-    before the optimizer steps; in DDP only the last of them synchronises (`no_sync` for the others), so a step
-    costs one all-reduce of the gradients whatever `accumulate` is. After each optimizer step the `scheduler`
-    steps and the `ema` (an AveragedModel) takes in the new weights. The loss is `objective`'s (plain
-    cross-entropy when None).
+    Each step sums the gradients of `training.accumulate` micro-batches (the last step of an epoch those that are
+    left) before the optimizer steps; in DDP only the last of them synchronises (`no_sync` for the others), so a
+    step costs one all-reduce of the gradients whatever the accumulation. After each optimizer step the scheduler
+    steps and the EMA takes in the new weights.
 
     The per-micro-batch loss is summed over the ranks, weighted by batch size, so the bar shows the same running
-    mean on any world size and every rank sees a non-finite loss together. `scaler` is a torch.amp.GradScaler,
-    needed for float16 only (its narrow range would underflow small gradients); disabled or None, steps are
-    plain. Images that could not be read (labelled SKIPPED) are left out of the loss; the count of them, summed
-    over the ranks with the loss, stops every rank at the same step once it passes `max_skipped` (None: no limit).
+    mean on any world size and every rank sees a non-finite loss together. The gradient scaler is needed for
+    float16 only (its narrow range would underflow small gradients); disabled or None, steps are plain. Images
+    that could not be read (labelled SKIPPED) are left out of the loss; the count of them, summed over the ranks
+    with the loss, stops every rank at the same step once it passes `max_skipped` (None: no limit).
     """
+    model, optimizer, scheduler, compute = training.model, training.optimizer, training.scheduler, training.compute
+    objective, ema, accumulate = training.objective, training.ema, training.accumulate
     device = torch.device(device)
-    scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
-    objective = objective or Objective()
+    scaler = training.scaler or torch.amp.GradScaler(device.type, enabled=False)
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # (sum of sample losses, samples, skipped)
     progress = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process())
@@ -140,3 +145,20 @@ def evaluate(
     if skipped and skipped > max_skipped:  # the same on every rank: the matrix is the sum over all of them
         raise UserError(too_many_skipped(skipped, max_skipped, "the validation images"))
     return confusion if topk is None else (confusion, int(reduce_value(in_topk, average=False)))
+
+
+def validate(model, training: Training, data_loader, device, num_classes: int, max_skipped=None):
+    """The epoch's validation: the model's confusion matrix, and with an EMA its accuracy too (as `ema_` metrics,
+    computed as run_log.epoch_metrics computes val_acc)."""
+    confusion = evaluate(model, data_loader, device, num_classes, training.compute, max_skipped)
+    if training.ema is None:
+        return confusion, {}
+    averaged = evaluate(training.ema.module, data_loader, device, num_classes, training.compute, max_skipped)
+    correct, total = int(averaged.trace()), int(averaged.sum())
+    return confusion, {"ema_val_acc": correct / max(total, 1), "ema_val_correct": correct}
+
+
+def unreadable_limits(train_images: int, val_images: int, strict: bool) -> tuple[int, int]:
+    """How many of an epoch's training and validation images may be unreadable before the run stops: 1 % (at
+    least one), or none with --strict-images."""
+    return tuple(0 if strict else max(1, count // 100) for count in (train_images, val_images))

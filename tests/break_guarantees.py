@@ -3,7 +3,8 @@
     .venv/bin/python tests/break_guarantees.py          # all of them, about 7 minutes on 2 cores (AMD EPYC)
     .venv/bin/python tests/break_guarantees.py 6a 7     # some
 
-A test that cannot fail proves nothing: this shows each one in README's "What is guaranteed" can. Every break is
+A test that cannot fail proves nothing: this shows each one in docs/guarantees.md can. The breaks in the launch
+script show that the scripts' own wiring is guarded too, not only the shared functions it calls. Every break is
 made in a throw-away copy of the repository's tracked files, never in your working tree.
 """
 
@@ -19,29 +20,38 @@ STEP_TEST = EQ + "test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_t
 SHARD_TEST = EQ + "test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch"
 
 # (name, file, text, replacement, the test that must fail)
+LAUNCH, SPAWN_SCRIPT = "train_multi_gpu_using_launch.py", "train_multi_gpu_using_spawn.py"
+SAME_AS_SPAWN = TR + "test_torchrun_and_spawn_train_identically"
 BREAKS = [
     ("1 SyncBN backward not reduced", "multi_train_utils/sync_batchnorm.py", "        dist.all_reduce(sums)\n", "",
      STEP_TEST),
     ("1a SyncBN statistics not reduced", "multi_train_utils/sync_batchnorm.py", "    dist.all_reduce(moments)\n", "",
      STEP_TEST),
-    ("1b lr not scaled by world size", "recipe.py", "rate = lr * world_size * accumulate", "rate = lr * accumulate",
-     STEP_TEST),
-    ("2 SyncBN despite --no-sync-bn", "training.py", "if sync_bn and not freeze:",
-     "if not freeze:", EQ + "test_without_sync_bn_ddp_differs_exactly_where_batch_statistics_enter"),
+    ("1b lr not scaled by world size", "plumbing/recipe.py", "rate = config.lr * world_size * config.accumulate",
+     "rate = config.lr * config.accumulate", STEP_TEST),
+    ("1c launch script: lr of one process", LAUNCH, "len(train_loader), world_size=process.world_size)",
+     "len(train_loader))", SAME_AS_SPAWN),
+    ("2 SyncBN despite --no-sync-bn", LAUNCH, "if config.sync_bn and not config.freeze_layers:",
+     "if not config.freeze_layers:", TR + "test_without_sync_bn_each_process_keeps_its_own_batchnorm_statistics"),
     ("3 augmentation seeded by the clock", "my_dataset.py", "torch.manual_seed(seed)\n", "torch.seed()\n",
      TR + "test_the_same_seed_gives_bitwise_identical_weights_and_another_seed_does_not"),
-    ("4 spawn ranks seeded differently", "train_multi_gpu_using_spawn.py",
-     "        train(args, plan, process)\n", "        args.seed += 1\n        train(args, plan, process)\n",
-     TR + "test_torchrun_and_spawn_train_identically"),
+    ("4 spawn ranks seeded differently", SPAWN_SCRIPT, "        train(config, plan, process)\n",
+     "        train(type(config)(**{**vars(config), 'seed': config.seed + rank}), plan, process)\n", SAME_AS_SPAWN),
     ("5 augmentation from worker RNG", "my_dataset.py",
      "yield [(index, sample_seed(self.seed, self.epoch, index)) for index in batch]", "yield list(batch)",
      EQ + "test_augmented_tensors_do_not_depend_on_the_number_of_loader_workers"),
-    ("6a shards padded with repeats", "training.py", "seed=seed, drop_last=True", "seed=seed", SHARD_TEST),
+    ("6a shards padded with repeats", "multi_train_utils/distributed_utils.py", "seed=seed, drop_last=True",
+     "seed=seed", SHARD_TEST),
     ("6b no reshuffle per epoch", "my_dataset.py", "        self.batch_sampler.sampler.set_epoch(epoch)\n", "",
      SHARD_TEST),
-    ("7 padded validation sampler", "training.py", "sampler=range(rank, len(val_set), world_size)",
-     "sampler=DistributedSampler(val_set, world_size, rank, shuffle=False)",
+    ("6c launch script: no shards", LAUNCH, "config.seed, process.rank, process.world_size)", "config.seed)",
+     SAME_AS_SPAWN),
+    ("7 padded validation sampler", "multi_train_utils/distributed_utils.py",
+     "return range(rank, len(dataset), world_size)",
+     "return DistributedSampler(dataset, world_size, rank, shuffle=False)",
      DI + "test_validation_counts_every_image_once_whatever_the_world_size"),
+    ("7b launch script: every rank validates all", LAUNCH, "sampler=val_sampler, ", "",
+     TR + "test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights"),
     ("8a logged loss of rank 0 only", "multi_train_utils/train_eval_utils.py", "step_totals = reduce_value(",
      "step_totals = (lambda value, average: value)(", STEP_TEST),
     ("8b reduce_value does not average", "multi_train_utils/distributed_utils.py",

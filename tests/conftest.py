@@ -18,8 +18,8 @@ from filelock import FileLock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from demo_data import make_demo_data  # noqa: E402
-from machine import available_cores  # noqa: E402
+from plumbing.demo_data import make_demo_data  # noqa: E402
+from plumbing.machine import available_cores  # noqa: E402
 
 # Settings that make a training run take seconds: tiny images, small batches.
 FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0"]
@@ -161,7 +161,7 @@ def run_main(capsys):
     (6-7 s on a 2-core CPU). Returns what run_script returns; fails the test if the script does not exit."""
 
     def call(script: str, *args) -> subprocess.CompletedProcess:
-        module = importlib.import_module(script.removesuffix(".py"))
+        module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
         with pytest.raises(SystemExit) as exit_info:
             module.main([str(arg) for arg in args])
         printed = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""benchmark.py end to end at toy sizes: every row measured, the files written, the table and targets printed."""
+"""tools/benchmark.py end to end at toy sizes: every row measured, the files written, the table and targets printed."""
 
 import json
 import math
@@ -7,13 +7,13 @@ import torch
 from conftest import run_script
 from PIL import Image
 
-from machine import core_budget
+from plumbing.machine import core_budget
 
 
 def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_files(tiny_data, tmp_path, run_main):
     out = tmp_path / "bench"
     result = run_script(
-        "benchmark.py",
+        "tools/benchmark.py",
         *("--data-path", tiny_data, "--output-dir", out, "--img-size", "32", "--batch-size", "8"),
         *("--epochs", "2", "--steps", "1", "--loader-images", "16", "--device", "cpu", "--skip-ddp"),
     )
@@ -51,5 +51,5 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     assert "loss.item() each step costs" in result.stdout
     with Image.open(out / "benchmark.png") as png:
         assert png.format == "PNG" and png.width >= 600
-    rerun = run_main("benchmark.py", "--data-path", tiny_data, "--output-dir", out, "--skip-ddp")
+    rerun = run_main("tools/benchmark.py", "--data-path", tiny_data, "--output-dir", out, "--skip-ddp")
     assert rerun.returncode == 2 and "already holds a benchmark" in rerun.stderr  # never overwrites

@@ -4,12 +4,12 @@ import pytest
 import torch
 from spawn_world import spawn_world
 from torch import nn
+from wiring import loaders
 
 from model import create_model
 from multi_train_utils.sync_batchnorm import CPUSyncBatchNorm
 from multi_train_utils.train_eval_utils import evaluate
 from my_dataset import MyDataSet, read_split_data, val_transform
-from training import build_loaders
 
 VAL_RATE = 7 / 12  # tiny_data has 12 images per class: 7 of each validate, 35 in all, which neither 2 nor 3 divides
 
@@ -31,7 +31,7 @@ def model_with_varied_predictions(split):
 def shard_confusion(rank, world_size, data_path) -> torch.Tensor:
     """The confusion matrix evaluate() returns in process `rank` of `world_size`: summed over every rank."""
     split = read_split_data(data_path, val_rate=VAL_RATE, seed=0)
-    _, val_loader = build_loaders(split, img_size=32, batch_size=4, seed=0, world_size=world_size, rank=rank)
+    _, val_loader = loaders(split, img_size=32, batch_size=4, seed=0, world_size=world_size, rank=rank)
     model = model_with_varied_predictions(split)
     return evaluate(model, val_loader, torch.device("cpu"), len(split.classes))
 

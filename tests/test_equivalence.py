@@ -1,6 +1,6 @@
 """Distributed training computes what single-process training computes: proven on the CPU with gloo.
 
-Each test builds the model, optimiser and loaders with the same functions the scripts use (training.py), and
+Each test builds the model, optimiser and loaders as the scripts do (tests/wiring.py, from the same functions), and
 runs the shared train_one_epoch / evaluate, so a change that breaks a property in the scripts breaks it here.
 
 The step comparisons run in float64. DDP on 2 x B images and one process on 2B images add up the same numbers
@@ -20,14 +20,15 @@ import torch
 from spawn_world import spawn_world
 from torch import nn
 from torchvision.models import resnet34
+from wiring import loaders, model_as_trained
 
-import training
+import model as model_module
 from model import create_model
 from multi_train_utils.distributed_utils import reduce_value
-from multi_train_utils.train_eval_utils import train_one_epoch
+from multi_train_utils.train_eval_utils import Training, train_one_epoch
 from my_dataset import read_split_data
-from recipe import build_optimizer
-from training import build_loaders, build_model
+from plumbing.config import Config
+from plumbing.recipe import build_optimizer
 
 B = 4  # images per rank per step
 SIZE = 32  # in float64 the steps agree to 4e-13 at 32 px too (1e-14 at 64), at a quarter of the work
@@ -39,7 +40,7 @@ TOLERANCE = 1e-10  # float64 rounding is about 1e-14 here; a semantic difference
 
 
 # The scripts' recipe apart from the rate: SGD with momentum and weight decay, the cosine schedule.
-RECIPE = dict(momentum=0.9, weight_decay=1e-4, epochs=10, lrf=0.1, steps_per_epoch=1)
+RECIPE = dict(momentum=0.9, weight_decay=1e-4, epochs=10, lrf=0.1)
 
 
 def global_batches(steps):
@@ -68,14 +69,14 @@ def _train_variants(rank, world_size, lr, result_path):
     batches = [(x[rows], y[rows]) for x, y in global_batches(STEPS)]
     results = {}
     for name, (sync_bn, per_sample_norm) in VARIANTS.items():
-        with mock.patch.object(training, "create_model", group_norm_resnet if per_sample_norm else create_model):
-            model, bare = build_model(5, torch.device("cpu"), sync_bn=sync_bn, distributed=world_size > 1)
+        with mock.patch.object(model_module, "create_model", group_norm_resnet if per_sample_norm else create_model):
+            model, bare = model_as_trained(5, sync_bn=sync_bn, distributed=world_size > 1)
         # the rate the scripts use: --lr times the world size
-        optimizer, _ = build_optimizer(model, lr=lr, world_size=world_size, **RECIPE)
+        optimizer, _ = build_optimizer(model, Config(lr=lr, **RECIPE), 1, world_size=world_size)
         result = {"initial": snapshot(bare)}
-        result["loss_1"], _ = train_one_epoch(model, optimizer, batches[:1], "cpu", 0)
+        result["loss_1"], _ = train_one_epoch(Training(model, optimizer), batches[:1], "cpu", 0)
         result["state_1"] = snapshot(bare)
-        result["loss"], result["images"] = train_one_epoch(model, optimizer, batches[1:], "cpu", 0)
+        result["loss"], result["images"] = train_one_epoch(Training(model, optimizer), batches[1:], "cpu", 0)
         result["state"] = snapshot(bare)
         results[name] = result
     if rank == 0:
@@ -146,9 +147,7 @@ def test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(ti
     def epoch_indices(epoch):
         shards = []
         for rank in range(world_size):
-            loader = build_loaders(split, img_size=32, batch_size=batch_size, seed=0, world_size=world_size, rank=rank)[
-                0
-            ]
+            loader = loaders(split, img_size=32, batch_size=batch_size, seed=0, world_size=world_size, rank=rank)[0]
             loader.batch_sampler.set_epoch(epoch)
             shards.append([index for batch in loader.batch_sampler for index, _seed in batch])
         return shards
@@ -167,7 +166,7 @@ def test_augmented_tensors_do_not_depend_on_the_number_of_loader_workers(tiny_da
     split = read_split_data(tiny_data, seed=0)
 
     def epoch_tensors(workers, epoch):
-        loader = build_loaders(split, img_size=32, batch_size=B, seed=0, workers=workers)[0]
+        loader = loaders(split, img_size=32, batch_size=B, seed=0, workers=workers)[0]
         loader.batch_sampler.set_epoch(epoch)
         return torch.cat([images for images, _ in loader])
 
@@ -187,10 +186,10 @@ def _train_accumulated(rank, world_size, lr, result_path):
     for images, labels in global_batches(STEPS):
         images, labels, half = images[rows], labels[rows], B // world_size
         micro_batches += [(images[:half], labels[:half]), (images[half:], labels[half:])]
-    with mock.patch.object(training, "create_model", group_norm_resnet):
-        model, bare = build_model(5, torch.device("cpu"), distributed=world_size > 1)
-    optimizer, _ = build_optimizer(model, lr=lr, world_size=world_size, accumulate=2, **RECIPE)
-    loss, images = train_one_epoch(model, optimizer, micro_batches, "cpu", 0, accumulate=2)
+    with mock.patch.object(model_module, "create_model", group_norm_resnet):
+        model, bare = model_as_trained(5, distributed=world_size > 1)
+    optimizer, _ = build_optimizer(model, Config(lr=lr, accumulate=2, **RECIPE), 1, world_size=world_size)
+    loss, images = train_one_epoch(Training(model, optimizer, accumulate=2), micro_batches, "cpu", 0)
     if rank == 0:
         torch.save({"loss": loss, "images": images, "state": snapshot(bare)}, result_path)
 

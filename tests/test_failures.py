@@ -23,7 +23,7 @@ from conftest import (
     torchrun,
 )
 
-from checkpoint import load_checkpoint
+from plumbing.checkpoint import load_checkpoint
 
 
 def start(script, *args, launcher=(), env=None) -> subprocess.Popen:

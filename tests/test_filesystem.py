@@ -14,9 +14,9 @@ import torch
 from conftest import FAST, fault_env, processes_with, run_script, torchrun
 from torch import nn
 
-from checkpoint import load_checkpoint
-from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+from multi_train_utils.train_eval_utils import Training, evaluate, train_one_epoch
 from my_dataset import SKIPPED, read_split_data
+from plumbing.checkpoint import load_checkpoint
 from utils import UserError
 
 DISK_FULL_AT_EPOCH_1 = "fsize:1:1000000"  # from epoch 1 on, no file may pass 1 MB: the 85 MB weights cannot
@@ -124,15 +124,15 @@ def test_skipped_images_leave_the_loss_and_the_counts_and_stop_a_strict_run():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     images, labels = batch([0, 1, 2, 1])
     with_skip = (images, torch.tensor([0, SKIPPED, 2, 1]))
-    loss, trained = train_one_epoch(model, optimizer, [with_skip], "cpu", 0)
+    loss, trained = train_one_epoch(Training(model, optimizer), [with_skip], "cpu", 0)
     expected = nn.functional.cross_entropy(tiny_network()(images[[0, 2, 3]]), torch.tensor([0, 2, 1]))
     assert trained == 3 and abs(loss - expected.item()) < 1e-6  # the skipped image is not in the loss
     # A batch of nothing but skipped images still takes its step (the ranks step together) and moves nothing.
     before = [p.clone() for p in model.parameters()]
-    train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1), [batch([SKIPPED] * 2)], "cpu", 0)
+    train_one_epoch(Training(model, torch.optim.SGD(model.parameters(), lr=0.1)), [batch([SKIPPED] * 2)], "cpu", 0)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(UserError, match=r"\(--strict-images\)"):
-        train_one_epoch(model, optimizer, [with_skip], "cpu", 0, max_skipped=0)
+        train_one_epoch(Training(model, optimizer), [with_skip], "cpu", 0, max_skipped=0)
 
     confusion = evaluate(model, Batches([batch([0, SKIPPED, 2])], 3), "cpu", 3, max_skipped=1)
     assert int(confusion.sum()) == 2  # the skipped image counts neither as right nor as wrong

@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import ROOT, fault_env, run_script
 from torch import nn
+from wiring import model_as_trained
 
-from compute import Compute, choose_compute
-from demo_data import make_demo_data
-from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
-from training import build_model
+from multi_train_utils.train_eval_utils import Training, evaluate, train_one_epoch
+from plumbing.compute import Compute, choose_compute
+from plumbing.demo_data import make_demo_data
 
 CPU = torch.device("cpu")
 
@@ -25,14 +25,15 @@ def fixed_batches(steps, size=32, batch=4):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mixed_precision_steps_learn_a_fixed_batch(dtype):
-    model, _ = build_model(5, CPU, Compute(channels_last=True))
+    model, _ = model_as_trained(5, Compute(channels_last=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     # The scale starts at 2**10, not the default 2**16, which spends the first steps halving itself on overflows.
     scaler = torch.amp.GradScaler("cpu", init_scale=2**10, enabled=dtype == torch.float16)
     compute = Compute(dtype, channels_last=True)
-    first, _ = train_one_epoch(model, optimizer, fixed_batches(1), CPU, 0, compute, scaler)
-    train_one_epoch(model, optimizer, fixed_batches(5), CPU, 0, compute, scaler)
-    last, _ = train_one_epoch(model, optimizer, fixed_batches(1), CPU, 0, compute, scaler)
+    training = Training(model, optimizer, compute=compute, scaler=scaler)
+    first, _ = train_one_epoch(training, fixed_batches(1), CPU, 0)
+    train_one_epoch(training, fixed_batches(5), CPU, 0)
+    last, _ = train_one_epoch(training, fixed_batches(1), CPU, 0)
     assert last < 0.5 * first, (first, last)  # memorising 4 images: the loss falls steeply
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())  # master weights
     if dtype == torch.float16:
@@ -42,8 +43,8 @@ def test_mixed_precision_steps_learn_a_fixed_batch(dtype):
 def test_channels_last_computes_what_nchw_computes():
     torch.manual_seed(0)
     images = torch.randn(4, 3, 64, 64)
-    nchw = build_model(5, CPU)[0].eval()
-    nhwc = build_model(5, CPU, Compute(channels_last=True))[0].eval()
+    nchw = model_as_trained(5)[0].eval()
+    nhwc = model_as_trained(5, Compute(channels_last=True))[0].eval()
     assert nhwc.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     assert not nchw.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
@@ -54,10 +55,10 @@ def test_channels_last_computes_what_nchw_computes():
 
 def test_bfloat16_evaluation_agrees_with_float32_on_nearly_every_image():
     torch.manual_seed(0)
-    model = build_model(5, CPU)[0]
+    model = model_as_trained(5)[0]
     batches = fixed_batches(1, batch=32)
     # A network that has seen some data, so that its predictions are not all near-ties.
-    train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.01), fixed_batches(3, batch=32), CPU, 0)
+    train_one_epoch(Training(model, torch.optim.SGD(model.parameters(), lr=0.01)), fixed_batches(3, batch=32), CPU, 0)
     fp32 = evaluate(model, batches, CPU, 5)
     bf16 = evaluate(model, batches, CPU, 5, Compute(torch.bfloat16, channels_last=True))
     assert int(fp32.sum()) == int(bf16.sum()) == 32
@@ -65,7 +66,7 @@ def test_bfloat16_evaluation_agrees_with_float32_on_nearly_every_image():
 
 
 def test_compile_wraps_the_model_and_saves_plain_names():
-    model, plain = build_model(5, CPU, compile=True)  # compiles lazily: nothing is compiled here
+    model, plain = model_as_trained(5, compile=True)  # compiles lazily: nothing is compiled here
     assert hasattr(model, "_orig_mod") and model._orig_mod is plain
     assert not any(name.startswith(("_orig_mod.", "module.")) for name in plain.state_dict())
 
@@ -131,7 +132,10 @@ def test_amp_auto_honours_the_caps_that_make_torch_compute_like_an_avx2_cpu(
 
 
 def test_under_the_avx2_caps_a_run_trains_in_float32_on_any_cpu():
-    code = "import torch, compute; print(compute.choose_compute('auto', None, torch.device('cpu'), 224)[1])"
+    code = (
+        "import torch; from plumbing.compute import choose_compute; "
+        "print(choose_compute('auto', None, torch.device('cpu'), 224)[1])"
+    )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -173,6 +177,6 @@ def test_a_float16_run_saves_its_gradient_scaler_and_resumes_with_it(tmp_path):
 
 
 def test_every_module_of_the_model_is_converted_to_channels_last():
-    model = build_model(5, CPU, Compute(channels_last=True))[0]
+    model = model_as_trained(5, Compute(channels_last=True))[0]
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
     assert convs and all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs)

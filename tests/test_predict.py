@@ -10,9 +10,9 @@ from torch.utils.data import DataLoader
 from torchvision.models import resnet34
 
 import predict
-from compute import choose_compute
 from model import create_model
 from my_dataset import MyDataSet, read_split_data, val_transform
+from plumbing.compute import choose_compute
 from utils import UserError
 
 

@@ -10,24 +10,23 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torchvision.models import get_model
+from wiring import loaders
 
 from model import create_model, freeze_all_but_head, head_names, load_weights
 from multi_train_utils.sync_batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import train_one_epoch
+from multi_train_utils.train_eval_utils import Training, train_one_epoch
 from my_dataset import SKIPPED, read_split_data
-from recipe import Objective, balanced_class_weights, build_optimizer, model_ema, schedule_factor
-from training import build_loaders
+from plumbing.config import Config
+from plumbing.recipe import Objective, balanced_class_weights, build_optimizer, model_ema, schedule_factor
 
-OPTIMIZER = dict(world_size=1, momentum=0.9, weight_decay=0.0, lrf=0.1)
+OPTIMIZER = dict(momentum=0.9, weight_decay=0.0, lrf=0.1)
 
 
 def rates(epochs, steps_per_epoch, warmup_epochs, lr=0.1, **options):
     """The learning rate at every optimizer step of a run, as the scheduler sets it."""
     model = nn.Linear(2, 2)
-    optimizer, scheduler = build_optimizer(
-        model, lr=lr, epochs=epochs, steps_per_epoch=steps_per_epoch, warmup_epochs=warmup_epochs,
-        **{**OPTIMIZER, **options},
-    )  # fmt: skip
+    config = Config(lr=lr, epochs=epochs, warmup_epochs=warmup_epochs, **{**OPTIMIZER, **options})
+    optimizer, scheduler = build_optimizer(model, config, batches_per_epoch=steps_per_epoch)
     seen = []
     for _ in range(epochs * steps_per_epoch):
         seen.append(optimizer.param_groups[0]["lr"])
@@ -54,10 +53,10 @@ def test_without_warmup_each_epoch_starts_where_the_per_epoch_cosine_was():
 
 def test_the_rate_scales_with_processes_and_accumulated_micro_batches_and_adamw_is_adamw():
     model = nn.Linear(2, 2)
-    common = dict(momentum=0.9, weight_decay=0.05, epochs=1, lrf=0.1, steps_per_epoch=1)
-    optimizer, _ = build_optimizer(model, lr=0.01, world_size=4, accumulate=2, **common)
+    common = dict(momentum=0.9, weight_decay=0.05, epochs=1, lrf=0.1)
+    optimizer, _ = build_optimizer(model, Config(lr=0.01, accumulate=2, **common), 1, world_size=4)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.08) and isinstance(optimizer, torch.optim.SGD)
-    optimizer, _ = build_optimizer(model, lr=0.01, world_size=1, opt="adamw", **common)
+    optimizer, _ = build_optimizer(model, Config(lr=0.01, opt="adamw", **common), 1, world_size=1)
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["weight_decay"] == 0.05
 
 
@@ -134,7 +133,7 @@ def test_augmented_and_mixed_batches_are_identical_for_0_1_and_2_loader_workers(
     objective = Objective(mixup_alpha=0.2, cutmix_alpha=1.0, seed=3)
 
     def batches(workers):
-        loader = build_loaders(
+        loader = loaders(
             split, img_size=32, batch_size=4, seed=3, workers=workers, auto_augment="trivialaugment",
             random_erase=0.5,
         )[0]  # fmt: skip
@@ -149,7 +148,7 @@ def test_augmented_and_mixed_batches_are_identical_for_0_1_and_2_loader_workers(
 
 
 def build_plain_batch(split):
-    loader = build_loaders(split, img_size=32, batch_size=4, seed=3)[0]
+    loader = loaders(split, img_size=32, batch_size=4, seed=3)[0]
     loader.batch_sampler.set_epoch(1)
     return next(iter(loader))[0]
 
@@ -167,7 +166,7 @@ def test_the_moving_average_is_the_hand_computed_one_buffers_included():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     states = []
     for batch in batches:
-        train_one_epoch(model, optimizer, [batch], "cpu", 0, ema=ema)
+        train_one_epoch(Training(model, optimizer, ema=ema), [batch], "cpu", 0)
         states.append({k: v.clone() for k, v in model.state_dict().items()})
     for key in ("0.weight", "4.bias", "1.running_mean", "1.running_var"):
         expected = states[0][key]  # the first step copies the weights

@@ -35,8 +35,8 @@ from torchvision.models import get_model
 
 import evaluate
 import predict
-from flags import parse_args
 from my_dataset import read_split_data
+from plumbing.config import parse_config
 
 MODELS = ["resnet18", "mobilenet_v3_small", "efficientnet_b0"]
 AUGMENT = (
@@ -287,4 +287,4 @@ def test_warmup_must_leave_an_epoch_to_decay(tiny_data, tmp_path, run_main):
     assert_user_error(result, "--warmup-epochs 2")
     assert "--epochs 2" in result.stderr
     assert not out.exists()
-    assert parse_args("train_single_gpu", "", ["--epochs", "2", "--warmup-epochs", "1"]).warmup_epochs == 1
+    assert parse_config("train_single_gpu", "", ["--epochs", "2", "--warmup-epochs", "1"]).warmup_epochs == 1

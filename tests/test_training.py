@@ -4,7 +4,16 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, REFERENCE_FLAGS, assert_user_error, final_weights, metrics_without_timings, run_script
+from conftest import (
+    DDP_FLAGS,
+    FAST,
+    REFERENCE_FLAGS,
+    assert_user_error,
+    final_weights,
+    metrics_without_timings,
+    run_script,
+    torchrun,
+)
 from PIL import Image
 from torchvision.models import resnet34
 
@@ -97,15 +106,30 @@ def test_torchrun_and_spawn_train_identically(torchrun_run, spawn_run):
 
 
 @pytest.mark.guarantee
+def test_without_sync_bn_each_process_keeps_its_own_batchnorm_statistics(tiny_data, torchrun_run, tmp_path):
+    # The same torchrun run as torchrun_run but for --no-sync-bn: rank 0's saved running statistics are then those
+    # of its own shards, not of the global batches, so they differ; nothing else in the flags changes.
+    result = run_script(
+        "train_multi_gpu_using_launch.py", "--data-path", tiny_data, "--output-dir", tmp_path / "run", *DDP_FLAGS,
+        "--no-sync-bn", launcher=torchrun(2),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    synced, own = final_weights(torchrun_run[1]), final_weights(tmp_path / "run")
+    assert not torch.equal(synced["bn1.running_mean"], own["bn1.running_mean"])
+    assert synced.keys() == own.keys()  # the same network: SyncBatchNorm adds no tensor of its own
+
+
+@pytest.mark.guarantee
 def test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights(tiny_data, torchrun_run):
+    from wiring import loaders
+
     from multi_train_utils.train_eval_utils import evaluate
     from my_dataset import read_split_data
-    from training import build_loaders
 
     split = read_split_data(tiny_data, seed=3)
     model = resnet34(num_classes=5)
     model.load_state_dict(final_weights(torchrun_run[1]))
-    val_loader = build_loaders(split, img_size=32, batch_size=4, seed=3)[1]
+    val_loader = loaders(split, img_size=32, batch_size=4, seed=3)[1]
     confusion = evaluate(model, val_loader, torch.device("cpu"), 5)
     logged = json.loads((torchrun_run[1] / "metrics.jsonl").read_text().splitlines()[-1])
     assert logged["val_total"] == len(split.val_images) == int(confusion.sum())
@@ -196,18 +220,18 @@ def test_boolean_flags_are_real_booleans(tiny_data, tmp_path):
     result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--freeze-layers", "False", *FAST)
     assert_user_error(result, "unrecognized arguments: False")
     # ...and --no-freeze-layers / --freeze-layers say what they mean.
-    from flags import parse_args
+    from plumbing.config import parse_config
 
-    assert parse_args("train_single_gpu", "", ["--no-freeze-layers"]).freeze_layers is False
-    assert parse_args("train_single_gpu", "", ["--freeze-layers"]).freeze_layers is True
-    assert parse_args("train_multi_gpu_using_launch", "", ["--no-sync-bn"]).sync_bn is False
-    assert parse_args("train_multi_gpu_using_launch", "", []).sync_bn is True
+    assert parse_config("train_single_gpu", "", ["--no-freeze-layers"]).freeze_layers is False
+    assert parse_config("train_single_gpu", "", ["--freeze-layers"]).freeze_layers is True
+    assert parse_config("train_multi_gpu_using_launch", "", ["--no-sync-bn"]).sync_bn is False
+    assert parse_config("train_multi_gpu_using_launch", "", []).sync_bn is True
 
 
 def test_demo_settings_yield_to_flags_given_on_the_command_line():
-    from flags import DEMO_DEFAULTS, parse_args
+    from plumbing.config import DEMO_DEFAULTS, parse_config
 
-    demo = parse_args("train_single_gpu", "", ["--demo"])
+    demo = parse_config("train_single_gpu", "", ["--demo"])
     assert {name: getattr(demo, name) for name in DEMO_DEFAULTS} == DEMO_DEFAULTS
-    assert parse_args("train_single_gpu", "", ["--demo", "--epochs", "3"]).epochs == 3
-    assert parse_args("train_single_gpu", "", []).epochs == 30
+    assert parse_config("train_single_gpu", "", ["--demo", "--epochs", "3"]).epochs == 3
+    assert parse_config("train_single_gpu", "", []).epochs == 30

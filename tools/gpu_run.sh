@@ -7,7 +7,7 @@
 # 1. the machine: nvidia-smi, python, torch, CUDA, cuDNN, NCCL, C compiler (torch.compile's Triton needs one);
 # 2. the GPU tests: python3 -m pytest tests/test_gpu.py -m gpu -x -q;
 # 3. a flower_photos-shaped folder of 3,670 JPEGs in /tmp (tools/make_flower_jpegs.py; drawn while the tests run);
-# 4. benchmark.py on the GPU at batch 16 (the README's setting), then, while time is left, at batch 64, and at
+# 4. tools/benchmark.py on the GPU at batch 16 (the README's setting), then, while time is left, at batch 64, and at
 #    batch 256 in one process (--skip-ddp).
 # Results go to $OUT (default /tmp/gpu_out), 7 files at most: summary.log (machine, every step's exit status),
 # gpu_tests.log, bench.log (benchmark output and every benchmark run's log), benchmark_b16.json, benchmark_b64.json,
@@ -93,7 +93,7 @@ bench() {
         return 1
     fi
     rm -rf "$dir"
-    local command=("$PY" benchmark.py --device cuda --data-path "$DATA" --output-dir "$dir" "$@")
+    local command=("$PY" tools/benchmark.py --device cuda --data-path "$DATA" --output-dir "$dir" "$@")
     note "benchmark $name: ${command[*]} (at most $limit s)"
     echo "===== benchmark $name: ${command[*]}" >>"$BENCH_LOG"
     timeout -k 20 "$limit" "${command[@]}" 2>&1 | tee -a "$BENCH_LOG"

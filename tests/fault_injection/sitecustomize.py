@@ -10,7 +10,8 @@ FAULT=delete:EPOCH:STEP  rank 0 deletes the files listed in FAULT_FILES (os.path
                          steps of epoch EPOCH (0: before its first), as a cleaning job or a re-sync would
 
 Several faults: separated by commas (FAULT=delete:1:1,fsize:2:1000000).
-The scripts are untouched; this replaces training.train_one_epoch in the process before they run.
+The scripts are untouched; this replaces multi_train_utils.train_eval_utils.train_one_epoch in the process before
+they import it.
 """
 
 import os
@@ -24,7 +25,7 @@ if os.environ.get("FAULT"):
     import torch
     import torch.distributed as dist
 
-    import training
+    import multi_train_utils.train_eval_utils as training
 
     faults = [(kind, numbers) for kind, *numbers in (fault.split(":") for fault in os.environ["FAULT"].split(","))]
     real_train_one_epoch = training.train_one_epoch
@@ -50,11 +51,11 @@ if os.environ.get("FAULT"):
 
         return each
 
-    def faulty_train_one_epoch(model, optimizer, data_loader, device, epoch, *how, **options):
+    def faulty_train_one_epoch(steps, data_loader, device, epoch, *how, **options):
         rank = dist.get_rank() if dist.is_initialized() else 0
         for kind, numbers in faults:
             data_loader = inject(kind, numbers, data_loader, rank, epoch)
-        return real_train_one_epoch(model, optimizer, data_loader, device, epoch, *how, **options)
+        return real_train_one_epoch(steps, data_loader, device, epoch, *how, **options)
 
     def inject(kind, numbers, data_loader, rank, epoch):
         if kind == "raise" and [rank, epoch] == [int(n) for n in numbers]:

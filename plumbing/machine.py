@@ -95,3 +95,12 @@ def core_budget(device: torch.device, processes_here: int = 1, batch_size: int =
         return (min(MAX_GPU_LOADERS, share, batch_size) if workers is None else workers), torch.get_num_threads()
     reserved = share // CORES_PER_CPU_LOADER  # cores kept for loading, whatever --workers says
     return (reserved if workers is None else workers), max(1, share - reserved)
+
+
+def use_cores(device: torch.device, processes_here: int, batch_size: int, workers: int | None) -> int:
+    """Share this machine's cores as core_budget says, for one of `processes_here` processes: sets this process's
+    compute threads (on the CPU) and returns its number of loader workers."""
+    workers, threads = core_budget(device, processes_here, batch_size, workers)
+    if device.type == "cpu":  # this process's compute threads: its share of the cores, less its loader workers
+        torch.set_num_threads(threads)
+    return workers

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from machine import cpu_bfloat16
+from plumbing.machine import cpu_bfloat16
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,8 @@ class Compute:
 
     Under autocast, convolutions and matrix products run in `amp_dtype` (bfloat16 or float16) while weights,
     gradients and the optimizer stay float32. channels_last stores images as NHWC, the layout the CPU's oneDNN
-    and the GPU's tensor cores convolve fastest in; the model's weights must be converted too (build_model does).
+    and the GPU's tensor cores convolve fastest in; the model's weights must be converted too
+    (model.initial_model does).
     """
 
     amp_dtype: torch.dtype | None = None

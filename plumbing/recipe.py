@@ -18,37 +18,35 @@ from torch.optim import lr_scheduler
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
+from multi_train_utils.distributed_utils import print_once
 from my_dataset import SKIPPED, sample_seed
 
 
-def build_optimizer(
-    model,
-    *,
-    lr: float,
-    world_size: int,
-    momentum: float,
-    weight_decay: float,
-    epochs: int,
-    lrf: float,
-    steps_per_epoch: int,
-    opt: str = "sgd",
-    accumulate: int = 1,
-    warmup_epochs: int = 0,
-):
+def build_optimizer(model, config, batches_per_epoch: int, world_size: int = 1):
     """The optimizer over the trainable parameters, and its schedule, stepped after every optimizer step: a
-    linear warmup over `warmup_epochs`, then a half cosine from the full rate down to rate * lrf.
+    linear warmup over --warmup-epochs, then a half cosine from the full rate down to rate * --lrf.
 
-    The full rate is `lr` times the batches of --batch-size images a step averages over: world_size processes,
-    each summing `accumulate` micro-batches (the linear scaling rule: a global batch that many times larger).
+    The full rate is --lr times the batches of --batch-size images a step averages over: `world_size` processes,
+    each summing --accumulate micro-batches (the linear scaling rule: a global batch that many times larger); an
+    epoch of `batches_per_epoch` micro-batches takes that many optimizer steps, the last with what is left.
+    `config` is a Config (lr, opt, momentum, weight_decay, epochs, lrf, warmup_epochs, accumulate, batch_size).
     """
-    rate = lr * world_size * accumulate
+    rate = config.lr * world_size * config.accumulate
     params = [p for p in model.parameters() if p.requires_grad]
-    if opt == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=rate, weight_decay=weight_decay)
+    if config.opt == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=rate, weight_decay=config.weight_decay)
     else:
-        optimizer = torch.optim.SGD(params, lr=rate, momentum=momentum, weight_decay=weight_decay)
+        optimizer = torch.optim.SGD(params, lr=rate, momentum=config.momentum, weight_decay=config.weight_decay)
     factor = functools.partial(
-        schedule_factor, steps_per_epoch=steps_per_epoch, epochs=epochs, warmup_epochs=warmup_epochs, lrf=lrf
+        schedule_factor,
+        steps_per_epoch=math.ceil(batches_per_epoch / config.accumulate),
+        epochs=config.epochs,
+        warmup_epochs=config.warmup_epochs,
+        lrf=config.lrf,
+    )
+    print_once(
+        f"Learning rate {rate:g} (--lr {config.lr:g} x {world_size} process(es) x {config.accumulate} "
+        f"micro-batch(es)) for a global batch of {config.batch_size * world_size * config.accumulate}"
     )
     return optimizer, lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -133,6 +131,17 @@ class Objective:
         if self.class_weights is not None:
             targets = targets * self.class_weights.to(targets)
         return -(targets * log_p).sum()
+
+
+def build_objective(config, split) -> Objective:
+    """The loss the configuration asks for: label smoothing, class weights from the training split (saying them),
+    mixup and cutmix."""
+    weights = None
+    if config.class_weights == "balanced":
+        weights = balanced_class_weights(split.train_labels, len(split.classes))
+        shown = (f"{name} {weight:.2f}" for name, weight in zip(split.classes, weights.tolist(), strict=True))
+        print_once("Class weights (balanced): " + ", ".join(shown))
+    return Objective(config.label_smoothing, weights, config.mixup_alpha, config.cutmix_alpha, config.seed)
 
 
 def model_ema(model: nn.Module, decay: float) -> AveragedModel:

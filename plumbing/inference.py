@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from compute import Compute, choose_compute
-from flags import DEFAULT_BATCH_SIZE, DEFAULT_IMG_SIZE
-from machine import core_budget
-from model import DEFAULT_MODEL, create_model, head_classes, load_weights, read_state_dict
+from model import create_model, head_classes, load_weights, read_state_dict
 from my_dataset import MyDataSet, val_transform
+from plumbing.compute import Compute, choose_compute
+from plumbing.config import Config
+from plumbing.machine import use_cores
 from utils import UserError, number, positive_int, safe_load
 
 
@@ -30,12 +30,12 @@ class TrainedModel:
     device: torch.device
     compute: Compute  # the run's precision and memory layout (--amp, --channels-last)
     classes: list[str]
-    run_args: dict  # the run's flags (args.json or the checkpoint's "args"); {} when neither is found
+    run: Config  # the run's configuration (args.json or the checkpoint's "args"; the defaults when neither is found)
     run_folder: Path
 
-    def setting(self, name: str, given, default):
-        """`given` (a flag of this command) when set, else the run's flag `name`, else `default`."""
-        return given if given is not None else self.run_args.get(name, default)
+    def setting(self, name: str, given):
+        """`given` (a flag of this command) when set, else the run's `name`."""
+        return given if given is not None else getattr(self.run, name)
 
 
 def run_file(weights: Path, name: str) -> Path | None:
@@ -100,7 +100,8 @@ def load_trained_model(weights: Path, class_indices: Path | None, device: torch.
     if not isinstance(run_args, dict):
         raise UserError(f"run flags file {args_file} does not hold the flags of a run (a JSON object)")
 
-    architecture = run_args.get("model", DEFAULT_MODEL)
+    run = Config.from_record(run_args)
+    architecture = run.model
     head = head_classes(state_dict, architecture)
     if head is not None and head != len(classes):
         raise UserError(
@@ -110,11 +111,10 @@ def load_trained_model(weights: Path, class_indices: Path | None, device: torch.
     model = create_model(len(classes), architecture)
     load_weights(model, state_dict, strict=True, name=architecture)
     # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
-    compute, _ = choose_compute(
-        run_args.get("amp", "off"), run_args.get("channels_last", False), device, run_args.get("img_size", 224)
-    )
+    # (Weights whose run is unknown: float32 NCHW.)
+    compute = choose_compute(run.amp, run.channels_last, device, run.img_size)[0] if run_args else Compute()
     model = model.to(device, memory_format=compute.memory_format).eval()
-    return TrainedModel(model, device, compute, classes, run_args, run_folder(weights))
+    return TrainedModel(model, device, compute, classes, run, run_folder(weights))
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,12 +129,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size",
         type=positive_int,
-        help=f"images per forward pass (default: the run's, else {DEFAULT_BATCH_SIZE})",
+        help=f"images per forward pass (default: the run's, else {Config.default('batch_size')})",
     )
     parser.add_argument(
         "--workers",
         type=number(int, 0),
-        help="image loader processes (default: as for training, see machine.core_budget)",
+        help="image loader processes (default: as for training, see plumbing/machine.py core_budget)",
     )
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
 
@@ -149,17 +149,15 @@ def add_run_overrides(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--img-size",
         type=positive_int,
-        help=f"the crop size the run trained with (default: the run's, else {DEFAULT_IMG_SIZE})",
+        help=f"the crop size the run trained with (default: the run's, else {Config.default('img_size')})",
     )
 
 
 def image_loader(trained: TrainedModel, args, images: list, labels: list) -> DataLoader:
     """Batches of (images as the run validated them: resized and centre-cropped, labels), in the given order."""
-    img_size = trained.setting("img_size", args.img_size, DEFAULT_IMG_SIZE)
-    batch_size = trained.setting("batch_size", args.batch_size, DEFAULT_BATCH_SIZE)
-    workers, threads = core_budget(trained.device, 1, batch_size, args.workers)  # as one training process has
-    if trained.device.type == "cpu":
-        torch.set_num_threads(threads)
+    img_size = trained.setting("img_size", args.img_size)
+    batch_size = trained.setting("batch_size", args.batch_size)
+    workers = use_cores(trained.device, 1, batch_size, args.workers)  # as one training process has
     return DataLoader(
         MyDataSet(images, labels, val_transform(img_size)),
         batch_size=batch_size,

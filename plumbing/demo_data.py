@@ -17,7 +17,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFilter
 
-DEMO_DATA_PATH = Path(__file__).resolve().parent / "data" / "demo_flower_photos"
+DEMO_DATA_PATH = Path(__file__).resolve().parents[1] / "data" / "demo_flower_photos"
 DEMO_CLASSES = ("daisy", "dandelion", "roses", "sunflowers", "tulips")
 
 
@@ -40,8 +40,8 @@ def _draw_background(rng: random.Random, width: int, height: int) -> Image.Image
     return image
 
 
-def _petal_ring(draw, rng, cx, cy, count, length, width, colour, start=None):
-    start = rng.uniform(0, 2 * math.pi) if start is None else start
+def _petal_ring(draw, rng, cx, cy, count, length, width, colour):
+    start = rng.uniform(0, 2 * math.pi)
     for k in range(count):
         angle = start + 2 * math.pi * k / count
         px, py = cx + math.cos(angle) * length * 0.6, cy + math.sin(angle) * length * 0.6

@@ -1,6 +1,6 @@
-"""What a run writes besides its weights: args.json, class_indices.json, metrics.jsonl (one line per epoch),
-TensorBoard's scalars, flags and prediction previews, and the line printed after each epoch. Rank 0 alone
-writes; every other rank's RunLog does nothing."""
+"""What a run prints and writes: its first lines (announce), and each epoch's line, metrics.jsonl line,
+TensorBoard scalars and prediction preview, weights and checkpoint (RunLog), with args.json and
+class_indices.json at the start. In DDP rank 0 alone writes; every other rank's RunLog does nothing."""
 
 import json
 import resource
@@ -11,30 +11,80 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
-from compute import Compute
-from my_dataset import IMAGENET_MEAN, IMAGENET_STD, write_class_indices
-from utils import OutputError, write_atomically, write_failure, write_json
+from multi_train_utils.distributed_utils import print_once
+from my_dataset import IMAGENET_MEAN, IMAGENET_STD, DataSplit, write_class_indices
+from plumbing.checkpoint import CHECKPOINT_NAME, save_epoch, training_state
+from plumbing.compute import Compute
+from utils import OutputError, describe, write_atomically, write_failure, write_json
+
+
+def announce(script: str, process, split: DataSplit, workers: int) -> None:
+    """The run's first lines: how many processes on what, and the data."""
+    backend = f", backend {torch.distributed.get_backend()}" if process.distributed else ""
+    print_once(f"{script}: {process.world_size} process(es) on {process.device.type}{backend}")
+    if process.device.type == "cpu" and not torch.cuda.is_available():
+        print_once("No CUDA GPU found: training on the CPU.")
+    if split.unreadable:
+        print_once(f"warning: skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
+    print_once(
+        f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
+        f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; {workers} loader workers per process"
+    )
+
+
+def best_so_far(metrics: dict, model, ema, best_acc: float):
+    """(the network to save as best.pth, or None if this epoch did not improve on `best_acc`; the new best
+    accuracy): the better of the model and its average (`ema`, if any; on a tie, the model)."""
+    accuracy = max(metrics["val_acc"], metrics.get("ema_val_acc", -1.0))
+    better = ema.module if metrics.get("ema_val_acc", -1.0) > metrics["val_acc"] else model
+    return (better if accuracy > best_acc else None), max(best_acc, accuracy)
 
 
 class RunLog:
-    """A run's log files in `output_dir`, opened for the epochs from `start_epoch` on (a resumed run keeps the
-    lines of the epochs before it and drops any later ones, which it trains again)."""
+    """A run's log files and weights in `plan.output_dir`, opened for the epochs from `start_epoch` on (a resumed
+    run keeps the lines of the epochs before it and drops any later ones, which it trains again). Disabled (on
+    every rank but 0 in DDP), it writes nothing."""
 
-    def __init__(self, output_dir: Path, run: dict, classes: list[str], start_epoch: int, preview_set, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, config, plan, process, compute: Compute, preview_set, start_epoch: int, enabled: bool = True):
+        self.enabled, self.output_dir, self.classes = enabled, plan.output_dir, plan.split.classes
+        self.compute, self.world_size, self.save_every = compute, process.world_size, config.save_every
+        # The run's record (args.json, and each checkpoint's "args"): its flags and what was decided from them.
+        self.record = config.record(
+            data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=plan.output_dir,
+            world_size=process.world_size, device=str(process.device), channels_last=compute.channels_last,
+        )  # fmt: skip
         if not enabled:
             return
-        self.output_dir, self.classes = output_dir, classes
-        write_class_indices(classes, output_dir)
+        write_class_indices(self.classes, self.output_dir)
         if start_epoch > 0:
-            keep_metrics_before(output_dir / "metrics.jsonl", start_epoch)
-        self.writer = SummaryWriter(str(output_dir / "tb"), purge_step=start_epoch)
-        print(f'Output: {output_dir}  (TensorBoard: tensorboard --logdir "{output_dir / "tb"}")', flush=True)
-        write_json(output_dir / "args.json", run)
-        write_hparams(self.writer, run)
+            keep_metrics_before(self.output_dir / "metrics.jsonl", start_epoch)
+        self.writer = SummaryWriter(str(self.output_dir / "tb"), purge_step=start_epoch)
+        print(f'Output: {self.output_dir}  (TensorBoard: tensorboard --logdir "{self.output_dir / "tb"}")', flush=True)
+        write_json(self.output_dir / "args.json", self.record)
+        write_hparams(self.writer, self.record)
         self.preview = preview_batch(preview_set)
 
-    def epoch(self, metrics: dict, best_acc: float, model, compute: Compute) -> None:
+    def epoch(self, metrics: dict, model, training, best, best_acc: float) -> None:
+        """Everything an epoch leaves: its printed line, its log lines, its weights (and `best`'s, the model or
+        its average, when it improved on the best accuracy), then the checkpoint of `model` and `training`."""
+        epoch = metrics["epoch"]
+        try:
+            self.log_epoch(metrics, best_acc, model)
+            keep = self.save_every > 0 and (epoch + 1) % self.save_every == 0
+            best_weights = best.state_dict() if best is not None else None
+            state = training_state(epoch, model, training, best_acc, self.classes, self.world_size, self.record)
+            save_epoch(self.output_dir, epoch, model.state_dict(), best_weights, state, keep=keep)
+        except OutputError as error:
+            last = self.output_dir / CHECKPOINT_NAME  # each finished epoch wrote one: the epoch before this one's
+            kept = f"{last} (epoch {epoch - 1}) is untouched" if last.exists() else "no checkpoint yet"
+            raise OutputError(f"{error}; stopped, {kept}: make room, then continue with --resume {last}") from None
+
+    def done(self, best_acc: float) -> None:
+        if self.enabled:
+            self.writer.close()
+            print(f"Done: best val acc {best_acc:.3f}; weights in {self.output_dir / 'weights'}", flush=True)
+
+    def log_epoch(self, metrics: dict, best_acc: float, model) -> None:
         """Print the epoch's line, add its scalars and prediction preview to TensorBoard, its line to metrics.jsonl."""
         if not self.enabled:
             return
@@ -46,11 +96,11 @@ class RunLog:
             flush=True,
         )
         try:
-            self.write_epoch(metrics, best_acc, model, compute)
+            self.write_epoch(metrics, best_acc, model)
         except OSError as error:  # TensorBoard's writer: a full disk, a vanished folder, ...
             raise OutputError(write_failure(Path(error.filename or self.output_dir), error)) from None
 
-    def write_epoch(self, metrics: dict, best_acc: float, model, compute: Compute) -> None:
+    def write_epoch(self, metrics: dict, best_acc: float, model) -> None:
         epoch = metrics["epoch"]
         for tag, value in (
             ("loss", metrics["train_loss"]),
@@ -60,17 +110,13 @@ class RunLog:
         ):
             self.writer.add_scalar(tag, value, epoch)
         self.writer.add_figure(
-            "validation_predictions", preview_figure(model, self.preview, self.classes, compute), epoch
+            "validation_predictions", preview_figure(model, self.preview, self.classes, self.compute), epoch
         )
         self.writer.flush()  # now, so that a failure to write the event file surfaces now
         # The file rewritten whole (it is small), never appended to: a full disk cannot leave half a line in it.
         path = self.output_dir / "metrics.jsonl"
         lines = path.read_text() if path.exists() else ""
         write_atomically(path, lambda f: f.write(lines + json.dumps(metrics) + "\n"))
-
-    def close(self) -> None:
-        if self.enabled:
-            self.writer.close()
 
 
 def skipped_note(metrics: dict) -> str:
@@ -80,18 +126,12 @@ def skipped_note(metrics: dict) -> str:
     return f"  (unreadable, left out: {skipped[0]} training, {skipped[1]} validation images)"
 
 
-def run_record(args, **decided) -> dict:
-    """The run's flags as JSON-able plain data (paths as strings), with what was decided from them (`decided`,
-    e.g. the data folder --demo chose, the memory layout "auto" chose): args.json, and the checkpoint's "args"."""
-    plain = lambda value: str(value) if isinstance(value, Path) else value  # noqa: E731
-    return {key: plain(value) for key, value in {**vars(args), **decided}.items()}
-
-
-def epoch_metrics(
-    epoch, train_loss, train_images, train_seconds, epoch_seconds, confusion, lr, world_size, device, expected
-):
-    """One line of metrics.jsonl: the epoch's loss, validation counts (overall and per class), rate and speed,
+def epoch_metrics(epoch: int, lr: float, trained: tuple, seconds: tuple, confusion, expected: tuple, process):
+    """One line of metrics.jsonl: the epoch's loss and images trained on (`trained`), its validation counts
+    (overall and per class, from the confusion matrix), rate, speed and time (`seconds`: training, whole epoch),
     and the images skipped because they could not be read: `expected` (training, validation) less those used."""
+    (train_loss, train_images), (train_seconds, epoch_seconds) = trained, seconds
+    world_size, device = process.world_size, process.device
     val_correct, val_total = int(confusion.trace()), int(confusion.sum())
     return {
         "epoch": epoch,

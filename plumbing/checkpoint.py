@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from multi_train_utils.distributed_utils import print_once
 from utils import UserError, safe_load, write_atomically
 
 CHECKPOINT_NAME = "checkpoint.pth"
@@ -30,26 +31,24 @@ def tensor_bytes(obj) -> int:
     return sum(tensor_bytes(item) for item in obj) if isinstance(obj, list | tuple) else 0
 
 
-def training_state(
-    epoch, model, optimizer, scheduler, scaler, best_acc, classes, world_size, run: dict, ema=None
-) -> dict:
-    """Everything needed to continue after `epoch`, as tensors and plain data; `run` is the run's record (its
-    flags and what was decided from them, as in args.json); `ema` the weights' moving average, if the run keeps
-    one."""
+def training_state(epoch, model, training, best_acc, classes, world_size, record: dict) -> dict:
+    """Everything needed to continue after `epoch`, as tensors and plain data: `model` (the network without its
+    DDP or compilation wrapper), what `training` (a train_eval_utils.Training) steps and averages, the random
+    generators' states, and `record`, the run's configuration as in args.json."""
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return {
         "epoch": epoch,
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "ema": ema.state_dict() if ema is not None else None,
+        "optimizer": training.optimizer.state_dict(),
+        "scheduler": training.scheduler.state_dict(),
+        "scaler": training.scaler.state_dict() if training.scaler is not None else None,
+        "ema": training.ema.state_dict() if training.ema is not None else None,
         "best_acc": best_acc,
         "classes": list(classes),
         "world_size": world_size,
-        "args": run,
+        "args": record,
         "rng": rng,
     }
 
@@ -62,20 +61,30 @@ def load_checkpoint(path) -> dict:
     return state
 
 
-def restore(state: dict, model, optimizer, scheduler, scaler, ema=None) -> tuple[int, float]:
-    """Put a checkpoint's state back into the training objects and the random generators; returns (the first
-    epoch to train, the best validation accuracy so far)."""
+def restore(state: dict, model, training) -> tuple[int, float]:
+    """Put a checkpoint's state back into the model, what `training` steps, and the random generators; returns
+    (the first epoch to train, the best validation accuracy so far)."""
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    training.optimizer.load_state_dict(state["optimizer"])
+    training.scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler") is not None:
-        scaler.load_state_dict(state["scaler"])
-    if ema is not None:
-        ema.load_state_dict(state["ema"])
+        training.scaler.load_state_dict(state["scaler"])
+    if training.ema is not None:
+        training.ema.load_state_dict(state["ema"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return state["epoch"] + 1, state["best_acc"]
+
+
+def resume_from(checkpoint: Path | None, model, training, epochs: int) -> tuple[int, float]:
+    """(the first epoch to train, the best validation accuracy so far): from `checkpoint` when the plan resumes
+    one (saying so), else (0, -1)."""
+    if checkpoint is None:
+        return 0, -1.0
+    start_epoch, best_acc = restore(load_checkpoint(checkpoint), model, training)
+    print_once(f"Resuming from {checkpoint}: epoch {start_epoch} of {epochs}, best val acc so far {best_acc:.3f}")
+    return start_epoch, best_acc
 
 
 def save_epoch(output_dir: Path, epoch: int, weights: dict, best: dict | None, state: dict, keep: bool = False) -> None:

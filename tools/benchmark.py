@@ -1,8 +1,8 @@
 """Measure training speed: the model and the loader alone, then each launch script end to end.
 
-python benchmark.py                       # 224 px, batch 16, generated 320x240 JPEGs
-python benchmark.py --data-path flower_photos --img-size 224 --batch-size 32 --nprocs 4
-ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmark.py    # an AVX-512 CPU computing as an AVX2 one
+python tools/benchmark.py                       # 224 px, batch 16, generated 320x240 JPEGs
+python tools/benchmark.py --data-path flower_photos --img-size 224 --batch-size 32 --nprocs 4
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python tools/benchmark.py    # an AVX-512 CPU computing as an AVX2 one
 
 Rows, each a fresh process (or group of processes) so that no row inherits another's warm caches or memory:
   model only (the ceiling)   the bare training step (autocast forward, cross-entropy, scaled backward, optimizer
@@ -44,31 +44,36 @@ from pathlib import Path
 from queue import Empty
 
 import torch
+from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
-from compute import choose_compute
-from demo_data import make_demo_data
-from flags import DEFAULT_BATCH_SIZE, DEFAULT_IMG_SIZE
-from machine import core_budget, describe_cpu
-from model import create_model
-from multi_train_utils.distributed_utils import resolve_device
-from multi_train_utils.train_eval_utils import train_one_epoch
-from my_dataset import read_split_data
-from plot_results import plot_benchmark
-from recipe import build_optimizer
-from run_log import peak_memory
-from training import build_loaders, build_model
-from utils import Parser, UserError, entry_point, number, write_json
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the project's modules, for `python tools/benchmark.py` from anywhere
 
-ROOT = Path(__file__).resolve().parent
+from model import create_model, initial_model  # noqa: E402
+from multi_train_utils.distributed_utils import resolve_device, shuffled_batches  # noqa: E402
+from multi_train_utils.train_eval_utils import Training, train_one_epoch  # noqa: E402
+from my_dataset import datasets, read_split_data  # noqa: E402
+from plot_results import plot_benchmark  # noqa: E402
+from plumbing.compute import choose_compute  # noqa: E402
+from plumbing.config import SINGLE, Config, parse_config  # noqa: E402
+from plumbing.demo_data import make_demo_data  # noqa: E402
+from plumbing.machine import core_budget, describe_cpu  # noqa: E402
+from plumbing.recipe import build_optimizer  # noqa: E402
+from plumbing.run_log import peak_memory  # noqa: E402
+from utils import Parser, UserError, entry_point, number, write_json  # noqa: E402
+
 FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
 
 
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--img-size", type=number(int, 1), default=DEFAULT_IMG_SIZE, help="training crop size")
+    p.add_argument("--img-size", type=number(int, 1), default=Config.default("img_size"), help="training crop size")
     p.add_argument(
-        "--batch-size", type=number(int, 1), default=DEFAULT_BATCH_SIZE, help="images per step in each process"
+        "--batch-size",
+        type=number(int, 1),
+        default=Config.default("batch_size"),
+        help="images per step in each process",
     )
     p.add_argument(
         "--data-path",
@@ -104,11 +109,9 @@ def _in_memory(queue, mode, img_size, batch_size, amp, channels_last, device, st
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = resolve_device(device)
     compute, _ = choose_compute(amp, channels_last, device, img_size)
-    model, _ = build_model(5, device, compute)  # as the scripts build it, in one process
+    model = initial_model("resnet34", 5, device, compute.memory_format)  # as the scripts build it, in one process
     # The training scripts' optimizer at their default settings (the step's cost does not depend on them).
-    optimizer, _ = build_optimizer(
-        model, lr=0.001, world_size=1, momentum=0.9, weight_decay=1e-4, epochs=1, lrf=0.1, steps_per_epoch=1
-    )
+    optimizer, _ = build_optimizer(model, parse_config(SINGLE, "", []), batches_per_epoch=1)
     scaler = compute.grad_scaler(device)
     generator = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, 3, img_size, img_size, generator=generator), torch.randint(0, 5, (batch_size,)))
@@ -148,7 +151,7 @@ def bare_steps(model, optimizer, scaler, compute, batch, steps: int, host_sync: 
 
 def loop_steps(model, optimizer, scaler, compute, device, batch, steps: int) -> None:
     """`steps` training steps through train_one_epoch, `batch` (in host memory) standing in for the loader."""
-    train_one_epoch(model, optimizer, [batch] * steps, device, 0, compute, scaler)
+    train_one_epoch(Training(model, optimizer, compute=compute, scaler=scaler), [batch] * steps, device, 0)
 
 
 def synchronize(device: torch.device) -> None:
@@ -167,8 +170,10 @@ def _loader(queue, split, img_size, batch_size, workers, images, start_method, p
     `images` images, in whole rounds of `workers` batches (the workers deliver batches in turn, each its own),
     over as many epochs as that takes."""
     multiprocessing.set_start_method(start_method, force=True)
-    loader, _ = build_loaders(
-        split, img_size=img_size, batch_size=batch_size, seed=0, workers=workers, pin_memory=pin_memory
+    train_set, _ = datasets(split, Config(img_size=img_size))  # the scripts' wiring, at their default settings
+    batches = shuffled_batches(train_set, batch_size, seed=0)
+    loader = DataLoader(
+        train_set, batch_sampler=batches, num_workers=workers, persistent_workers=workers > 0, pin_memory=pin_memory
     )
     batches = batches_over_epochs(loader)
     for _ in range(max(2, workers)):
