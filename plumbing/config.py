@@ -7,6 +7,7 @@ same value (`Config.from_record`), and `--config RUN/args.json` starts a new run
 """
 
 import argparse
+import functools
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -27,7 +28,7 @@ DEMO_DEFAULTS = {"epochs": 8, "img_size": 48, "batch_size": 32, "lr": 0.01}
 WEIGHT_DECAY = {"sgd": 1e-4, "adamw": 0.05}
 
 
-def flag(default, group: str, help: str, *, recipe=False, scripts=SCRIPTS, switch=False, **argparse_options):
+def flag(default, help: str, *, group: str, recipe=False, scripts=SCRIPTS, switch=False, **argparse_options):
     """A Config field that is also a command-line flag (--name-with-dashes) of `scripts`, in help group `group`.
 
     `switch`: an on/off flag with a --no- form (argparse's type=bool would take "False" as true). `recipe`: the
@@ -39,273 +40,201 @@ def flag(default, group: str, help: str, *, recipe=False, scripts=SCRIPTS, switc
     return field(default=default, metadata=metadata)
 
 
+def flags_in(group: str, *, recipe=False, scripts=SCRIPTS):
+    """A maker of flags (see flag) in help group `group`, of `scripts`, part of the recipe or not."""
+    return functools.partial(flag, group=group, recipe=recipe, scripts=scripts)
+
+
+data_flag, data_recipe = flags_in("data"), flags_in("data", recipe=True)
+optimisation_recipe = flags_in("optimisation", recipe=True)
+model_flag, model_recipe = flags_in("model"), flags_in("model", recipe=True)
+single_process_flag = flags_in("model", scripts=(SINGLE,))
+speed_flag, run_flag = flags_in("speed"), flags_in("run")
+ddp_flag, ddp_recipe = (
+    flags_in("distributed", scripts=DDP_SCRIPTS),
+    flags_in("distributed", recipe=True, scripts=DDP_SCRIPTS),
+)
+spawn_flag = flags_in("distributed", scripts=(SPAWN,))
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything the command line says about a run (see --help for each flag)."""
 
     # data
-    data_path: Path | None = flag(
-        None, "data", "folder with one sub-folder of images per class (e.g. flower_photos)", type=Path
+    data_path: Path | None = data_flag(
+        None, "folder with one sub-folder of images per class (e.g. flower_photos)", type=Path
     )
-    demo: bool = flag(
+    demo: bool = data_flag(
         False,
-        "data",
         f"train on generated demo flowers (made once in {DEMO_DATA_PATH.parent.name}/) with quick settings",
         action="store_true",
     )
-    num_classes: int | None = flag(
-        None, "data", "expected number of classes (default: the number of class folders)", type=positive_int
+    num_classes: int | None = data_flag(
+        None, "expected number of classes (default: the number of class folders)", type=positive_int
     )
-    val_rate: float = flag(
-        0.2,
-        "data",
-        "fraction of each class held out for validation",
-        recipe=True,
-        type=number(float, 0, 1, above_minimum=True),
+    val_rate: float = data_recipe(
+        0.2, "fraction of each class held out for validation", type=number(float, 0, 1, above_minimum=True)
     )
-    img_size: int = flag(
-        224,
-        "data",
-        "training crop size; validation resizes to img-size*256/224 and centre-crops",
-        recipe=True,
-        type=positive_int,
+    img_size: int = data_recipe(
+        224, "training crop size; validation resizes to img-size*256/224 and centre-crops", type=positive_int
     )
-    auto_augment: str = flag(
+    auto_augment: str = data_recipe(
         "none",
-        "data",
         "a random photometric or geometric change per training image after the crop and flip "
         "(TrivialAugmentWide or RandAugment from torchvision)",
-        recipe=True,
         choices=["none", *AUTO_AUGMENT],
     )
-    random_erase: float = flag(
+    random_erase: float = data_recipe(
         0.0,
-        "data",
         "probability of erasing a random rectangle of each training image (RandomErasing)",
-        recipe=True,
         type=number(float, 0, 1),
     )
-    class_weights: str = flag(
+    class_weights: str = data_recipe(
         "none",
-        "data",
         "balanced: weigh each class's loss by the inverse of its share of the training images",
-        recipe=True,
         choices=["none", "balanced"],
     )
-    workers: int | None = flag(
+    workers: int | None = data_flag(
         None,
-        "data",
         "data loader processes per training process (default: on a GPU, this process's share of the cores, "
         "at most 8; on the CPU, one per 8 cores of its share, the rest training)",
         type=number(int, 0),
     )
 
     # optimisation
-    epochs: int = flag(30, "optimisation", "passes over the training images", recipe=True, type=positive_int)
-    batch_size: int = flag(16, "optimisation", "images per step in each process", recipe=True, type=positive_int)
-    lr: float = flag(
-        0.001,
-        "optimisation",
-        "learning rate for one process; multiplied by the world size in DDP",
-        recipe=True,
-        type=positive_float,
+    epochs: int = optimisation_recipe(30, "passes over the training images", type=positive_int)
+    batch_size: int = optimisation_recipe(16, "images per step in each process", type=positive_int)
+    lr: float = optimisation_recipe(
+        0.001, "learning rate for one process; multiplied by the world size in DDP", type=positive_float
     )
-    lrf: float = flag(
-        0.1,
-        "optimisation",
-        "final learning rate as a fraction of --lr (cosine decay)",
-        recipe=True,
-        type=number(float, 0, 1, above_minimum=True),
+    lrf: float = optimisation_recipe(
+        0.1, "final learning rate as a fraction of --lr (cosine decay)", type=number(float, 0, 1, above_minimum=True)
     )
-    opt: str = flag(
-        "sgd",
-        "optimisation",
-        "optimizer: SGD with momentum, or AdamW (decoupled weight decay)",
-        recipe=True,
-        choices=["sgd", "adamw"],
+    opt: str = optimisation_recipe(
+        "sgd", "optimizer: SGD with momentum, or AdamW (decoupled weight decay)", choices=["sgd", "adamw"]
     )
-    momentum: float = flag(0.9, "optimisation", "SGD momentum", recipe=True, type=number(float, 0, 1))
-    weight_decay: float | None = flag(
+    momentum: float = optimisation_recipe(0.9, "SGD momentum", type=number(float, 0, 1))
+    weight_decay: float | None = optimisation_recipe(
         None,
-        "optimisation",
         f"weight decay (default: {WEIGHT_DECAY['sgd']:g} with SGD, usual for ResNets (the original used 5e-3); "
         f"{WEIGHT_DECAY['adamw']:g} with AdamW)",
-        recipe=True,
         type=number(float, 0),
     )
-    warmup_epochs: int = flag(
+    warmup_epochs: int = optimisation_recipe(
         0,
-        "optimisation",
         "epochs over which the learning rate rises linearly, step by step, before the cosine decay",
-        recipe=True,
         type=number(int, 0),
     )
-    accumulate: int = flag(
+    accumulate: int = optimisation_recipe(
         1,
-        "optimisation",
         "micro-batches of --batch-size whose gradients are summed before each step (a step then sees "
         "batch-size x accumulate x world-size images, and the learning rate is scaled by that many batches)",
-        recipe=True,
         type=positive_int,
     )
-    label_smoothing: float = flag(
-        0.0,
-        "optimisation",
-        "share of each target spread evenly over all classes",
-        recipe=True,
-        type=number(float, 0, 1),
+    label_smoothing: float = optimisation_recipe(
+        0.0, "share of each target spread evenly over all classes", type=number(float, 0, 1)
     )
-    mixup_alpha: float = flag(
+    mixup_alpha: float = optimisation_recipe(
         0.0,
-        "optimisation",
         "mix pairs of training images and their targets by a Beta(alpha, alpha) share (0: off)",
-        recipe=True,
         type=number(float, 0),
     )
-    cutmix_alpha: float = flag(
+    cutmix_alpha: float = optimisation_recipe(
         0.0,
-        "optimisation",
         "paste a box of one training image into another, targets by area (0: off; with mixup, each step "
         "takes one of the two at random)",
-        recipe=True,
         type=number(float, 0),
     )
-    seed: int = flag(
-        0,
-        "optimisation",
-        "seeds weights, data split, shuffling and augmentation",
-        recipe=True,
-        type=number(int, 0),
-    )
+    seed: int = optimisation_recipe(0, "seeds weights, data split, shuffling and augmentation", type=number(int, 0))
 
     # model
-    model: str = flag(
+    model: str = model_recipe(
         DEFAULT_MODEL,
-        "model",
         "any torchvision classification model: resnet18, resnet50, mobilenet_v3_small, efficientnet_b0, "
         "convnext_tiny, ...",
-        recipe=True,
         choices=model_names(),
         metavar="NAME",
     )
-    weights: str | Path | None = flag(
+    weights: str | Path | None = model_flag(
         None,
-        "model",
         f"initial weights: {IMAGENET} (torchvision's ImageNet-1K weights for --model, downloaded once into "
         "torch's cache), a torchvision file for that model, or weights or a checkpoint saved by these scripts",
         type=lambda text: text if text == IMAGENET else Path(text),
     )
-    freeze_layers: bool = flag(False, "model", "train only the classifier head", recipe=True, switch=True)
-    model_ema: bool = flag(
+    freeze_layers: bool = model_recipe(False, "train only the classifier head", switch=True)
+    model_ema: bool = model_recipe(
         False,
-        "model",
         "keep an exponential moving average of the weights (BatchNorm statistics included), validated and "
         "saved beside the model; best.pth is the better of the two",
-        recipe=True,
         switch=True,
     )
-    ema_decay: float = flag(
+    ema_decay: float = model_recipe(
         0.999,
-        "model",
         "share of the average kept at each step (0.999: about the last 1,000 steps)",
-        recipe=True,
         type=number(float, 0, 1, above_minimum=True),
     )
-    data_parallel: bool = flag(
+    data_parallel: bool = single_process_flag(
         False,
-        "model",
         "split each batch over all visible GPUs with nn.DataParallel in this one process "
         "(DDP, the other two scripts, is faster: see docs/launch-modes.md)",
-        scripts=(SINGLE,),
         action="store_true",
     )
 
     # speed
-    amp: str = flag(
+    amp: str = speed_flag(
         "auto",
-        "speed",
         "mixed precision (torch.amp autocast): auto is bf16 where the device computes it natively "
         "(GPUs from Ampere on, CPUs with AMX or AVX512-BF16 that torch is not capped below) and off (float32) "
         "elsewhere; fp16 adds gradient scaling",
         choices=["auto", "off", "bf16", "fp16"],
     )
-    channels_last: bool | None = flag(
+    channels_last: bool | None = speed_flag(
         None,
-        "speed",
         "keep images and weights in NHWC memory layout (default: on GPUs, and on the CPU for images of "
         f"{CHANNELS_LAST_MIN_SIZE} px and up, where it is faster)",
         switch=True,
     )
-    compile: bool = flag(
+    compile: bool = speed_flag(
         False,
-        "speed",
         "torch.compile the model: faster steps after a compilation of a minute or more at the start",
         action="store_true",
     )
-    persistent_workers: bool = flag(
+    persistent_workers: bool = speed_flag(
         True,
-        "speed",
         "keep loader processes between epochs (off restarts them every epoch, as the original scripts did)",
         switch=True,
     )
 
     # run
-    resume: Path | None = flag(None, "run", "continue the run whose checkpoint.pth this is (in its folder)", type=Path)
-    auto_resume: bool = flag(
+    resume: Path | None = run_flag(None, "continue the run whose checkpoint.pth this is (in its folder)", type=Path)
+    auto_resume: bool = run_flag(
         False,
-        "run",
         "continue from --output-dir's checkpoint.pth when there is one, else start (for torchrun restarts)",
         action="store_true",
     )
-    save_every: int = flag(
+    save_every: int = run_flag(
         0,
-        "run",
         "also keep weights/model-N.pth of every N-th epoch (0: keep only best.pth, last.pth and the checkpoint)",
         type=number(int, 0),
     )
-    strict_images: bool = flag(
-        False, "run", "stop on unreadable images instead of skipping them with a warning", action="store_true"
+    strict_images: bool = run_flag(
+        False, "stop on unreadable images instead of skipping them with a warning", action="store_true"
     )
-    device: str | None = flag(None, "run", "cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
-    output_dir: Path | None = flag(
-        None, "run", "where weights, logs and metrics go (default: runs/<script>-<timestamp>)", type=Path
+    device: str | None = run_flag(None, "cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
+    output_dir: Path | None = run_flag(
+        None, "where weights, logs and metrics go (default: runs/<script>-<timestamp>)", type=Path
     )
 
     # distributed
-    sync_bn: bool = flag(
-        True,
-        "distributed",
-        "synchronise BatchNorm statistics across processes",
-        recipe=True,
-        scripts=DDP_SCRIPTS,
-        switch=True,
+    sync_bn: bool = ddp_recipe(True, "synchronise BatchNorm statistics across processes", switch=True)
+    dist_url: str = ddp_flag("env://", "how processes find each other (env:// reads MASTER_ADDR and MASTER_PORT)")
+    dist_backend: str | None = ddp_flag(
+        None, "communication library (default: nccl on CUDA, gloo on CPU)", choices=["nccl", "gloo"]
     )
-    dist_url: str = flag(
-        "env://",
-        "distributed",
-        "how processes find each other (env:// reads MASTER_ADDR and MASTER_PORT)",
-        scripts=DDP_SCRIPTS,
-    )
-    dist_backend: str | None = flag(
-        None,
-        "distributed",
-        "communication library (default: nccl on CUDA, gloo on CPU)",
-        scripts=DDP_SCRIPTS,
-        choices=["nccl", "gloo"],
-    )
-    dist_timeout: int = flag(
-        1800,
-        "distributed",
-        "seconds a collective may wait for a silent process",
-        scripts=DDP_SCRIPTS,
-        type=positive_int,
-    )
-    world_size: int | None = flag(
-        None,
-        "distributed",
-        "processes to start (default: visible GPUs, or 2 without a GPU)",
-        scripts=(SPAWN,),
-        type=positive_int,
+    dist_timeout: int = ddp_flag(1800, "seconds a collective may wait for a silent process", type=positive_int)
+    world_size: int | None = spawn_flag(
+        None, "processes to start (default: visible GPUs, or 2 without a GPU)", type=positive_int
     )
 
     script: str = SINGLE  # which script's flags these are (not a flag)
