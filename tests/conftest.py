@@ -1,4 +1,11 @@
-"""Shared test fixtures and helpers: small generated datasets, running the scripts as a user would, reading runs."""
+"""Shared test fixtures and helpers: small generated datasets, running the scripts as a user would, reading runs.
+
+Writing a test: a test that starts no script and trains nothing belongs to the fast tier (mark it, or its file,
+`@pytest.mark.fast`; `pytest -m fast` runs that tier in under a minute). Make data with `tiny_data` or
+`make_demo_data`, run a script as a user would with `run_script`, check refused input with `assert_user_error`;
+tests/wiring.py builds loaders and models as the scripts do. The parallel machinery is at the end of this file;
+a new test does not need it.
+"""
 
 import importlib
 import json
@@ -27,64 +34,6 @@ FAULTS = ROOT / "tests" / "fault_injection"
 REFERENCE_FLAGS = ("--epochs", "4", "--seed", "0", *FAST)
 # Two DDP epochs in float32 on any CPU (--amp off: bfloat16 where native would make runs differ between machines).
 DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", "--amp", "off", *FAST)
-
-
-# The suite runs in parallel with pytest-xdist (pyproject.toml: -n auto --dist loadfile): each test file in one
-# worker process, so a file's module fixtures are made once; the session fixtures that train are shared between
-# the workers (made_once). Each worker keeps an equal share of the cores, and every script it starts inherits it:
-# the scripts size their threads by the cores they may use, so the workers never run more threads than there are
-# cores (on 2 cores, oversubscribed training threads wait on each other and a step takes ten times as long).
-MAX_WORKERS = 4  # beyond it the suite gains little (its longest file takes about a minute) and memory grows
-
-
-@pytest.hookimpl(optionalhook=True)  # an xdist hook: -n auto's number of workers
-def pytest_xdist_auto_num_workers(config):
-    return max(1, min(MAX_WORKERS, available_cores()))
-
-
-def pytest_configure(config):
-    if not hasattr(config, "workerinput") or not hasattr(os, "sched_setaffinity"):
-        return  # not an xdist worker (-n 0, or the controller), or a platform without CPU affinity
-    cores, index = sorted(os.sched_getaffinity(0)), int(config.workerinput["workerid"].removeprefix("gw"))
-    per_worker = max(1, len(cores) // int(config.workerinput["workercount"]))  # equal shares: equal thread counts
-    share = cores[index * per_worker : (index + 1) * per_worker] or cores[index % len(cores) :][:1]
-    os.sched_setaffinity(0, share)
-    torch.set_num_threads(len(share))  # tests that train in this process, too
-
-
-@pytest.fixture(scope="session")
-def shared_tmp(tmp_path_factory, pytestconfig) -> Path:
-    """A folder of this test session that all its xdist workers share (each worker's own tmp folders are in it)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if hasattr(pytestconfig, "workerinput") else base
-
-
-def made_once(shared_tmp: Path, name: str, make):
-    """`make(folder)`'s result for the folder shared_tmp/name (which make creates), made once per session: by the
-    first xdist worker that asks, while any other that asks waits for it (a file lock) and then reads the result
-    it saved. `make` returns a path or a finished process (subprocess.CompletedProcess), or a tuple of them."""
-    folder, saved = shared_tmp / name, shared_tmp / f"{name}.json"
-    with FileLock(shared_tmp / f"{name}.lock"):
-        if not saved.exists():
-            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed to make it left
-            saved.write_text(json.dumps(to_json(make(folder))))
-    return from_json(json.loads(saved.read_text()))
-
-
-def to_json(value):
-    if isinstance(value, tuple):
-        return [to_json(item) for item in value]
-    if isinstance(value, Path):
-        return {"path": str(value)}
-    return {"returncode": value.returncode, "args": value.args, "stdout": value.stdout, "stderr": value.stderr}
-
-
-def from_json(value):
-    if isinstance(value, list):
-        return tuple(from_json(item) for item in value)
-    if "path" in value:
-        return Path(value["path"])
-    return subprocess.CompletedProcess(value["args"], value["returncode"], value["stdout"], value["stderr"])
 
 
 def fault_env(fault: str | None = None) -> dict:
@@ -282,3 +231,71 @@ def reference_run(tiny_data, shared_tmp):
         return out
 
     return made_once(shared_tmp, "reference_run", make)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# How the suite runs in parallel. A new test needs none of this: use the fixtures and helpers above.
+
+# The suite runs in parallel with pytest-xdist (pyproject.toml: -n auto --dist loadfile): each test file in one
+# worker process, so a file's module fixtures are made once; the session fixtures that train are shared between
+# the workers (made_once). Each worker keeps an equal share of the cores, and every script it starts inherits it:
+# the scripts size their threads by the cores they may use, so the workers never run more threads than there are
+# cores (on 2 cores, oversubscribed training threads wait on each other and a step takes ten times as long).
+MAX_WORKERS = 4  # beyond it the suite gains little (its longest file takes about a minute) and memory grows
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: -n auto's number of workers
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(MAX_WORKERS, available_cores()))
+
+
+LONGEST_FIRST = ("test_guarantees_on_avx2.py",)  # one file taking a third of the suite: started first, not last
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # a stable sort: the rest keep their order
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") or not hasattr(os, "sched_setaffinity"):
+        return  # not an xdist worker (-n 0, or the controller), or a platform without CPU affinity
+    cores, index = sorted(os.sched_getaffinity(0)), int(config.workerinput["workerid"].removeprefix("gw"))
+    per_worker = max(1, len(cores) // int(config.workerinput["workercount"]))  # equal shares: equal thread counts
+    share = cores[index * per_worker : (index + 1) * per_worker] or cores[index % len(cores) :][:1]
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))  # tests that train in this process, too
+
+
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory, pytestconfig) -> Path:
+    """A folder of this test session that all its xdist workers share (each worker's own tmp folders are in it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(pytestconfig, "workerinput") else base
+
+
+def made_once(shared_tmp: Path, name: str, make):
+    """`make(folder)`'s result for the folder shared_tmp/name (which make creates), made once per session: by the
+    first xdist worker that asks, while any other that asks waits for it (a file lock) and then reads the result
+    it saved. `make` returns a path or a finished process (subprocess.CompletedProcess), or a tuple of them."""
+    folder, saved = shared_tmp / name, shared_tmp / f"{name}.json"
+    with FileLock(shared_tmp / f"{name}.lock"):
+        if not saved.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed to make it left
+            saved.write_text(json.dumps(to_json(make(folder))))
+    return from_json(json.loads(saved.read_text()))
+
+
+def to_json(value):
+    if isinstance(value, tuple):
+        return [to_json(item) for item in value]
+    if isinstance(value, Path):
+        return {"path": str(value)}
+    return {"returncode": value.returncode, "args": value.args, "stdout": value.stdout, "stderr": value.stderr}
+
+
+def from_json(value):
+    if isinstance(value, list):
+        return tuple(from_json(item) for item in value)
+    if "path" in value:
+        return Path(value["path"])
+    return subprocess.CompletedProcess(value["args"], value["returncode"], value["stdout"], value["stderr"])

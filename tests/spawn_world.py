@@ -25,7 +25,7 @@ def _join_and_run(rank, world_size, port, fn, args):
 
 def spawn_world(fn, world_size: int, *args) -> None:
     """Call fn(rank, world_size, *args) in world_size processes joined in a gloo group; re-raises any failure."""
-    multiprocessing.set_forkserver_preload(["torch", "torchvision", "training"])
+    multiprocessing.set_forkserver_preload(["torch", "torchvision", "model", "multi_train_utils.train_eval_utils"])
     mp.start_processes(
         _join_and_run, args=(world_size, find_free_port(), fn, args), nprocs=world_size, start_method="forkserver"
     )

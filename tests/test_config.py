@@ -25,7 +25,7 @@ def test_a_config_is_frozen():
 
 def test_a_runs_record_loads_back_into_the_same_config(tmp_path):
     config = parse_config(SINGLE, "", ["--data-path", str(tmp_path), "--epochs", "3", "--output-dir", "out"])
-    record = json.loads(json.dumps(config.record(world_size=1)))  # as args.json holds it
+    record = json.loads(json.dumps(config.record()))  # as args.json holds it
     assert Config.from_record(record) == config
     assert Config.from_record({"epochs": 3, "not_a_flag": 1}) == Config(epochs=3)  # unknown keys are ignored
 
