@@ -89,6 +89,7 @@ def test_spawn_chooses_another_port_when_master_port_is_taken(spawn_run, taken_p
     assert (out / "checkpoint.pth").exists()
 
 
+@pytest.mark.fast
 def test_spawn_refuses_more_processes_than_visible_gpus(tiny_data, monkeypatch, capsys):
     # Pretend one GPU is visible: the check runs before any process or CUDA call is made.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -15,6 +15,8 @@ from my_dataset import (
     val_transform,
 )
 
+pytestmark = pytest.mark.fast  # no script started, no training run
+
 
 def save(path, mode):
     rng = np.random.default_rng(0)

@@ -141,6 +141,7 @@ def test_reduce_value_averages_or_sums_over_ranks_and_leaves_its_input_alone(tmp
 
 @pytest.mark.parametrize("batch_size", [1, 3])  # with 1, no batch is dropped that could hide a padded repeat
 @pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.fast
 def test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(tiny_data, world_size, batch_size):
     split = read_split_data(tiny_data, seed=0)  # 50 training images
 
@@ -162,6 +163,7 @@ def test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(ti
 
 
 @pytest.mark.guarantee
+@pytest.mark.fast
 def test_augmented_tensors_do_not_depend_on_the_number_of_loader_workers(tiny_data):
     split = read_split_data(tiny_data, seed=0)
 

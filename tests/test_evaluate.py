@@ -85,6 +85,7 @@ def test_the_confusion_matrix_is_a_png_picture(last_epoch_evaluation):
     assert path.stat().st_size > 10_000
 
 
+@pytest.mark.fast
 def test_precision_of_a_class_never_predicted_is_zero():
     confusion = torch.tensor([[2, 0, 0], [1, 0, 0], [0, 0, 3]])  # class 1 is never predicted
     scores = evaluate.per_class_scores(confusion)
@@ -96,6 +97,7 @@ def test_precision_of_a_class_never_predicted_is_zero():
     }
 
 
+@pytest.mark.fast
 def test_f1_is_2pr_over_p_plus_r_and_zero_where_p_plus_r_is_zero():
     confusion = torch.tensor([[3, 1, 0, 0], [2, 0, 2, 0], [0, 0, 4, 0], [0, 0, 0, 0]])  # rows: true class
     scores = evaluate.per_class_scores(confusion)
@@ -117,6 +119,7 @@ class LogitsOf(torch.nn.Module):
         return self.logits[index]
 
 
+@pytest.mark.fast
 def test_topk_counts_the_images_whose_true_class_is_among_their_k_highest_logits():
     falling, rising = torch.arange(7.0, 0.0, -1.0), torch.arange(1.0, 8.0)
     logits = torch.stack([falling, falling, falling, rising, rising])

@@ -125,6 +125,7 @@ def test_the_onnx_file_names_the_classes_and_the_preprocessing(onnx_session):
     assert "resize the shorter side to 37 px" in meta.description and "crop the centre 32 px" in meta.description
 
 
+@pytest.mark.fast
 def test_the_torchscript_file_computes_the_same_logits_and_carries_the_class_names(
     torchscript_export, pytorch_logits, tiny_data
 ):
@@ -168,6 +169,7 @@ def traced(torchscript_export, monkeypatch):
     return traced_bytes
 
 
+@pytest.mark.fast
 def test_a_file_that_fails_the_check_is_not_written(run, traced, monkeypatch, tmp_path):
     real_runner = export.torchscript_runner
 
@@ -194,6 +196,7 @@ def test_without_onnxruntime_the_check_alone_is_skipped_with_a_warning(run, onnx
     assert "Checked with" not in stdout and (tmp_path / "m.onnx").read_bytes() == exported
 
 
+@pytest.mark.fast
 def test_without_the_runs_images_the_check_runs_on_a_seeded_random_batch(run, traced, tmp_path, capsys):
     (tmp_path / "weights").mkdir()
     (tmp_path / "weights" / "best.pth").symlink_to(run / "weights" / "best.pth")

@@ -119,6 +119,7 @@ def batch(labels):
     return torch.randn(len(labels), 3, 4, 4), torch.tensor(labels)
 
 
+@pytest.mark.fast
 def test_skipped_images_leave_the_loss_and_the_counts_and_stop_a_strict_run():
     model = tiny_network()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

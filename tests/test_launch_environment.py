@@ -5,6 +5,8 @@ import pytest
 from multi_train_utils.distributed_utils import launcher_environment
 from utils import UserError
 
+pytestmark = pytest.mark.fast  # no script started, no training run
+
 LAUNCH_VARIABLES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
 SLURM_VARIABLES = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"]
 

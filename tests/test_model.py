@@ -29,6 +29,8 @@ from model import (
 from my_dataset import IMAGENET_MEAN, IMAGENET_STD, val_transform
 from utils import UserError
 
+pytestmark = pytest.mark.fast  # no script started, no training run
+
 IMAGENET_WEIGHTS = ResNet34_Weights.IMAGENET1K_V1  # what `--weights imagenet` means for the default model
 OFFICIAL_NAME = "resnet34-b627a593.pth"  # the file name in IMAGENET_WEIGHTS.url, under which torch.hub caches it
 

@@ -62,6 +62,7 @@ def test_two_nodes_of_one_process_form_one_job_of_world_size_two(two_node_run):
 
 
 @pytest.mark.guarantee
+@pytest.mark.across_launchers
 def test_two_nodes_train_exactly_like_two_processes_on_one_node(two_node_run, torchrun_run):
     two_nodes, one_node = final_weights(two_node_run[0]), final_weights(torchrun_run[1])
     assert two_nodes.keys() == one_node.keys()

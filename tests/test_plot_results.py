@@ -59,6 +59,7 @@ def test_two_runs_are_drawn_into_one_png(tmp_path):
     assert not (a / "training_curves.png").exists() and not (b / "training_curves.png").exists()
 
 
+@pytest.mark.fast
 def test_overlaid_runs_are_named_in_the_legend_with_their_number_of_processes(tmp_path):
     a, b = write_run(tmp_path / "single", 1), write_run(tmp_path / "ddp", 2, epochs=3)
     runs = [(run_label(folder, read_metrics(folder / "metrics.jsonl")), read_metrics(folder / "metrics.jsonl"))
@@ -71,6 +72,7 @@ def test_overlaid_runs_are_named_in_the_legend_with_their_number_of_processes(tm
     assert list(fig.axes[2].get_lines()[1].get_ydata()) == [0.02, 0.01, 0.02 / 3]
 
 
+@pytest.mark.fast
 def test_labels_flag_names_the_runs_in_the_legend(tmp_path):
     a, b = write_run(tmp_path / "a", 1), write_run(tmp_path / "b", 2)
     fig = main([str(a), str(b), "--labels", "one", "two", "--output", str(tmp_path / "c.png")])
@@ -92,6 +94,7 @@ def test_a_benchmark_json_gives_the_throughput_chart_next_to_it(tmp_path):
     assert_png(tmp_path / "benchmark.png")
 
 
+@pytest.mark.fast
 def test_the_benchmark_chart_labels_each_bar_and_says_where_it_was_measured(tmp_path):
     fig = plot_benchmark(BENCHMARK, tmp_path / "benchmark.png")
     assert_png(tmp_path / "benchmark.png")
@@ -105,6 +108,7 @@ def test_the_benchmark_chart_labels_each_bar_and_says_where_it_was_measured(tmp_
         assert fragment in ax.get_title()
 
 
+@pytest.mark.fast
 def test_each_preview_image_is_labelled_with_its_prediction_green_when_right_red_with_the_truth_when_wrong():
     images = [np.full((32, 32, 3), shade) for shade in np.linspace(0, 1, 6)]
     fig = plot_predictions(images, [0, 1, 2, 0, 1, 2], [0, 1, 1, 0, 2, 2], ["daisy", "roses", "tulips"])

@@ -24,6 +24,7 @@ def fixed_batches(steps, size=32, batch=4):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.fast
 def test_mixed_precision_steps_learn_a_fixed_batch(dtype):
     model, _ = model_as_trained(5, Compute(channels_last=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -40,6 +41,7 @@ def test_mixed_precision_steps_learn_a_fixed_batch(dtype):
         assert scaler.get_scale() > 1  # the scaler is active, and has not collapsed to nothing
 
 
+@pytest.mark.fast
 def test_channels_last_computes_what_nchw_computes():
     torch.manual_seed(0)
     images = torch.randn(4, 3, 64, 64)
@@ -53,6 +55,7 @@ def test_channels_last_computes_what_nchw_computes():
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.fast
 def test_bfloat16_evaluation_agrees_with_float32_on_nearly_every_image():
     torch.manual_seed(0)
     model = model_as_trained(5)[0]
@@ -65,6 +68,7 @@ def test_bfloat16_evaluation_agrees_with_float32_on_nearly_every_image():
     assert abs(int(fp32.trace()) - int(bf16.trace())) <= 2
 
 
+@pytest.mark.fast
 def test_compile_wraps_the_model_and_saves_plain_names():
     model, plain = model_as_trained(5, compile=True)  # compiles lazily: nothing is compiled here
     assert hasattr(model, "_orig_mod") and model._orig_mod is plain
@@ -97,6 +101,7 @@ def uncapped_cpu(monkeypatch):
         ("bf16", None, False, torch.bfloat16),
     ],
 )
+@pytest.mark.fast
 def test_amp_auto_picks_bfloat16_only_where_the_device_computes_it(
     uncapped_cpu, monkeypatch, amp, gpu_capability, cpu_bf16, expected
 ):
@@ -119,6 +124,7 @@ def test_amp_auto_picks_bfloat16_only_where_the_device_computes_it(
         ("AVX512", "ALL", torch.bfloat16),
     ],
 )
+@pytest.mark.fast
 def test_amp_auto_honours_the_caps_that_make_torch_compute_like_an_avx2_cpu(
     uncapped_cpu, monkeypatch, torch_isa, onednn_cap, expected
 ):
@@ -154,6 +160,7 @@ def test_under_the_avx2_caps_a_run_trains_in_float32_on_any_cpu():
         ("cuda", 32, None, True),  # GPUs convolve fastest in channels_last
     ],
 )
+@pytest.mark.fast
 def test_channels_last_is_chosen_where_it_is_faster_unless_a_flag_says(device, img_size, flag, expected):
     compute, summary = choose_compute("off", flag, torch.device(device), img_size)
     assert compute.channels_last == expected
@@ -176,6 +183,7 @@ def test_a_float16_run_saves_its_gradient_scaler_and_resumes_with_it(tmp_path):
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] == 1
 
 
+@pytest.mark.fast
 def test_every_module_of_the_model_is_converted_to_channels_last():
     model = model_as_trained(5, Compute(channels_last=True))[0]
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]

@@ -19,6 +19,8 @@ from my_dataset import SKIPPED, read_split_data
 from plumbing.config import Config
 from plumbing.recipe import Objective, balanced_class_weights, build_optimizer, model_ema, schedule_factor
 
+pytestmark = pytest.mark.fast  # no script started, no training run
+
 OPTIMIZER = dict(momentum=0.9, weight_decay=0.0, lrf=0.1)
 
 

@@ -152,6 +152,7 @@ def augmented_ddp_runs(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.guarantee
+@pytest.mark.across_launchers
 def test_augmented_runs_are_bitwise_identical_under_torchrun_and_spawn_whatever_the_loader_workers(
     augmented_ddp_runs,
 ):

@@ -9,6 +9,8 @@ import pytest
 from my_dataset import read_split_data
 from utils import UserError
 
+pytestmark = pytest.mark.fast  # no script started, no training run
+
 
 def make_folder(root, counts: dict, suffix=".jpg", order_seed=None):
     """Empty files standing in for images (splitting never opens them), created in a chosen order."""

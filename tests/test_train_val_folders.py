@@ -35,6 +35,7 @@ def files_by_class(folder: Path) -> dict[str, set[str]]:
 
 
 @pytest.mark.parametrize("val_rate, seed", [(0.2, 0), (0.5, 7), (0.9, 123)])
+@pytest.mark.fast
 def test_each_set_is_exactly_its_folder_whatever_the_rate_and_seed(tmp_path, val_rate, seed):
     root = make_given(tmp_path, {"roses": 7, "daisy": 5}, {"roses": 1, "daisy": 4})
     (root / "README.md").touch()  # loose files beside train/ and val/ are ignored, as beside class folders
@@ -53,6 +54,7 @@ def test_each_set_is_exactly_its_folder_whatever_the_rate_and_seed(tmp_path, val
     assert (len(split.train_images), len(split.val_images)) == (12, 5)
 
 
+@pytest.mark.fast
 def test_a_class_folder_named_train_among_others_is_still_a_class(tmp_path):
     root = tmp_path / "vehicles"
     for name in ("bus", "car", "train"):
@@ -64,6 +66,7 @@ def test_a_class_folder_named_train_among_others_is_still_a_class(tmp_path):
     assert len(split.val_images) == 3  # one of each 5 at the default rate: split at random, as any such folder
 
 
+@pytest.mark.fast
 def test_unreadable_images_are_left_out_of_the_set_they_are_in(tmp_path):
     for part, name in (("train", "a0"), ("train", "a1"), ("val", "a0"), ("val", "a1")):
         write_jpeg(tmp_path / part / "daisy" / f"{name}.jpg")
@@ -88,6 +91,7 @@ def test_unreadable_images_are_left_out_of_the_set_they_are_in(tmp_path):
         ("images_in_train", "{root}/train has no class sub-folders"),  # class-per-folder with classes train, val
     ],
 )
+@pytest.mark.fast
 def test_unusable_train_val_folders_are_one_line_errors(tmp_path, layout, message):
     root = tmp_path / "data"
     both = {"daisy": 2, "roses": 2}

@@ -99,6 +99,7 @@ def test_spawn_with_two_processes_completes_two_epochs(spawn_run):
 
 
 @pytest.mark.guarantee
+@pytest.mark.across_launchers
 def test_torchrun_and_spawn_train_identically(torchrun_run, spawn_run):
     a, b = final_weights(torchrun_run[1]), final_weights(spawn_run[1])
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -106,6 +107,7 @@ def test_torchrun_and_spawn_train_identically(torchrun_run, spawn_run):
 
 
 @pytest.mark.guarantee
+@pytest.mark.across_launchers
 def test_without_sync_bn_each_process_keeps_its_own_batchnorm_statistics(tiny_data, torchrun_run, tmp_path):
     # The same torchrun run as torchrun_run but for --no-sync-bn: rank 0's saved running statistics are then those
     # of its own shards, not of the global batches, so they differ; nothing else in the flags changes.
@@ -120,6 +122,7 @@ def test_without_sync_bn_each_process_keeps_its_own_batchnorm_statistics(tiny_da
 
 
 @pytest.mark.guarantee
+@pytest.mark.across_launchers
 def test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights(tiny_data, torchrun_run):
     from wiring import loaders
 
@@ -228,6 +231,7 @@ def test_boolean_flags_are_real_booleans(tiny_data, tmp_path):
     assert parse_config("train_multi_gpu_using_launch", "", []).sync_bn is True
 
 
+@pytest.mark.fast
 def test_demo_settings_yield_to_flags_given_on_the_command_line():
     from plumbing.config import DEMO_DEFAULTS, parse_config
 
