@@ -47,6 +47,7 @@ class RunLog:
     def __init__(self, config, plan, process, compute: Compute, preview_set, start_epoch: int, enabled: bool = True):
         self.enabled, self.output_dir, self.classes = enabled, plan.output_dir, plan.split.classes
         self.compute, self.world_size, self.save_every = compute, process.world_size, config.save_every
+        self.device = process.device
         # The run's record (args.json, and each checkpoint's "args"): its flags and what was decided from them.
         self.record = config.record(
             data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=plan.output_dir,
@@ -71,7 +72,9 @@ class RunLog:
             self.log_epoch(metrics, best_acc, model)
             keep = self.save_every > 0 and (epoch + 1) % self.save_every == 0
             best_weights = best.state_dict() if best is not None else None
-            state = training_state(epoch, model, training, best_acc, self.classes, self.world_size, self.record)
+            state = training_state(
+                epoch, model, training, best_acc, self.classes, self.world_size, self.record, self.device
+            )
             save_epoch(self.output_dir, epoch, model.state_dict(), best_weights, state, keep=keep)
         except OutputError as error:
             last = self.output_dir / CHECKPOINT_NAME  # each finished epoch wrote one: the epoch before this one's
