@@ -8,7 +8,6 @@ the tensors whose shape changes with the number of classes, so replacing, freezi
 head need no table of models.
 """
 
-import fcntl
 import functools
 import http.client
 import os
@@ -20,6 +19,7 @@ from urllib.parse import urlparse
 
 import torch
 import torchvision
+from filelock import FileLock
 from torch import nn
 from torchvision.models import get_model, get_model_weights, list_models
 
@@ -110,8 +110,7 @@ def imagenet_weights_file(url: str) -> Path:
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # taken by the sockets urllib opens inside torch.hub
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f".{path.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with FileLock(path.parent / f".{path.name}.lock"):  # filelock: flock on Linux and macOS, msvcrt on Windows
             if not path.is_file():  # else another process downloaded it while we waited
                 print(f"Downloading {url} to {path}", flush=True)
                 torch.hub.download_url_to_file(url, str(path), hash_match.group(1) if hash_match else None)

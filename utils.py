@@ -107,7 +107,8 @@ class OutputError(UserError):
 
 def write_atomically(path, write, binary: bool = False, size: int | None = None) -> None:
     """Create or replace `path` with what write(file) writes, so that readers and crashes see either the old
-    file or the whole new one: a temporary file in the same folder, fsync, rename, fsync of the folder.
+    file or the whole new one: a temporary file in the same folder, fsync, rename, fsync of the folder
+    (not on Windows, which has none).
 
     If the filesystem refuses (OSError, whatever layer re-raises it: torch.save turns it into a RuntimeError),
     raises OutputError naming the file, the reason and, when space ran out, the space free and needed (`size`
@@ -122,11 +123,12 @@ def write_atomically(path, write, binary: bool = False, size: int | None = None)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)  # make the rename itself durable
-        finally:
-            os.close(folder)
+        if os.name != "nt":  # Windows cannot open a folder with os.open, so it has no folder fsync to call
+            folder = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(folder)  # make the rename itself durable
+            finally:
+                os.close(folder)
     except Exception as error:
         reason = os_error_in(error)
         if reason is None:

@@ -7,6 +7,7 @@ without asking which launch mode it runs under.
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -95,7 +96,7 @@ def init_distributed_mode(
     torchrun and SLURM describe the process in environment variables; spawn passes `rank` and `world_size`
     (with MASTER_ADDR/MASTER_PORT in the environment). Without either (the launch script started with plain
     python), a group of one on a free port of this machine, on the device named: the DDP code runs unchanged. The
-    backend is nccl on GPUs and gloo on the CPU unless `backend` says otherwise.
+    backend is choose_backend's. On a Mac's GPU (mps), which no backend serves, the processes train on the CPU.
     """
     if rank is not None:
         found = {"rank": rank, "world_size": world_size, "local_rank": rank, "local_world_size": world_size}
@@ -105,21 +106,49 @@ def init_distributed_mode(
     if found is None:
         found = {"rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1}
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
-    process = Process(**found, device=resolve_device(device, local_rank=local_rank), distributed=True)
+    process_device = resolve_device(device, local_rank=local_rank)
+    if process_device.type == "mps":
+        if found["rank"] == 0:
+            print(MPS_IN_DDP, flush=True)
+        process_device = torch.device("cpu")
+    process = Process(**found, device=process_device, distributed=True)
     if process.device.type == "cuda":
         torch.cuda.set_device(process.device)
+    backend = choose_backend(backend, process.device)
     timeout = timedelta(seconds=timeout_s)
     store = restart_safe_store(dist_url, process, timeout)
     dist.init_process_group(
-        backend=backend or ("nccl" if process.device.type == "cuda" else "gloo"),
+        backend=backend,
         init_method=None if store else dist_url,
         store=store,
         world_size=process.world_size,
         rank=process.rank,
         timeout=timeout,
-        device_id=process.device if process.device.type == "cuda" else None,
+        # the GPU this process binds to: init_process_group documents device_id for NCCL alone
+        **({"device_id": process.device} if backend == "nccl" and process.device.type == "cuda" else {}),
     )
     return process
+
+
+MPS_IN_DDP = (
+    "DDP on a Mac: no torch.distributed backend takes tensors on its GPU (mps), so each process trains on the "
+    "CPU, with gloo (for mps, use train_single_gpu.py)"
+)
+
+
+def check_backend(asked: str | None) -> None:
+    """UserError if --dist-backend names nccl where this torch has none (its Windows and macOS builds)."""
+    if asked == "nccl" and not dist.is_nccl_available():
+        raise UserError(f"--dist-backend nccl: this torch has no NCCL (on {sys.platform}); use --dist-backend gloo")
+
+
+def choose_backend(asked: str | None, device: torch.device) -> str:
+    """The communication library: `asked` (--dist-backend) if this torch has it; else nccl on CUDA GPUs where
+    torch has NCCL (Linux), gloo everywhere else (the CPU, and Windows and macOS, whose builds have no NCCL)."""
+    check_backend(asked)
+    if asked is not None:
+        return asked
+    return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
 
 
 def find_free_port() -> int:
@@ -151,17 +180,24 @@ def restart_safe_store(dist_url: str, process: Process, timeout: timedelta):
 
 
 def resolve_device(name: str | None, local_rank: int | None = None) -> torch.device:
-    """The device to train on: CUDA when there is one, otherwise the CPU; in DDP, the local rank's GPU."""
+    """The device to train on: CUDA when there is one, else a Mac's GPU (mps) when there is one, otherwise the
+    CPU; in DDP, the local rank's GPU."""
     if name is None:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UserError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
+        raise UserError(f"unknown device {name!r}: use cpu, cuda, cuda:N or mps") from None
     if device.type == "cpu":
         return device
+    if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise UserError(
+                f"--device {name} asked for a Mac's GPU (Metal) but torch finds none here; use --device cpu"
+            )
+        return torch.device("mps")
     if device.type != "cuda":
-        raise UserError(f"device {name!r} is not supported here: use cpu, cuda or cuda:N")
+        raise UserError(f"device {name!r} is not supported here: use cpu, cuda, cuda:N or mps")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         raise UserError(f"--device {name} asked for a GPU but no CUDA GPU is visible; use --device cpu")

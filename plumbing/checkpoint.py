@@ -31,13 +31,15 @@ def tensor_bytes(obj) -> int:
     return sum(tensor_bytes(item) for item in obj) if isinstance(obj, list | tuple) else 0
 
 
-def training_state(epoch, model, training, best_acc, classes, world_size, record: dict) -> dict:
+def training_state(epoch, model, training, best_acc, classes, world_size, record: dict, device) -> dict:
     """Everything needed to continue after `epoch`, as tensors and plain data: `model` (the network without its
-    DDP or compilation wrapper), what `training` (a train_eval_utils.Training) steps and averages, the random
-    generators' states, and `record`, the run's configuration as in args.json."""
+    DDP or compilation wrapper), what `training` (a train_eval_utils.Training) steps and averages, the states of
+    the random generators a run on `device` draws from, and `record`, the run's configuration as in args.json."""
     rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state_all()
+    elif device.type == "mps":  # a Mac's GPU has a generator of its own (dropout there draws from it)
+        rng["mps"] = torch.mps.get_rng_state()
     return {
         "epoch": epoch,
         "model": model.state_dict(),
@@ -74,6 +76,8 @@ def restore(state: dict, model, training) -> tuple[int, float]:
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    if "mps" in state["rng"] and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(state["rng"]["mps"])
     return state["epoch"] + 1, state["best_acc"]
 
 

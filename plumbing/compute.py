@@ -52,24 +52,30 @@ def choose_compute(amp: str, channels_last: bool | None, device: torch.device, i
 
     amp "auto": bfloat16 where the device computes it natively (GPUs from Ampere on; CPUs with AMX or
     AVX512-BF16, unless ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA cap torch below them), float32 elsewhere.
-    channels_last None: on GPUs, and on the CPU from CHANNELS_LAST_MIN_SIZE px up. Given values win.
+    channels_last None: on GPUs, and on the CPU from CHANNELS_LAST_MIN_SIZE px up. On a Mac's GPU (mps), neither
+    has been measured here, so auto is float32 in NCHW there. Given values win.
     """
     if amp == "auto":
         if device.type == "cuda":
             native = torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and later compute bf16 natively
             why = "this GPU computes bfloat16 natively" if native else "this GPU has no native bfloat16"
+        elif device.type == "mps":
+            native, why = False, "autocast on mps is not measured here"
         else:
             native, why = cpu_bfloat16()
         amp, amp_reason = ("bf16" if native else "off"), f"--amp auto: {why}"
     else:
         amp_reason = f"--amp {amp}"
     if channels_last is None:
-        channels_last = device.type == "cuda" or img_size >= CHANNELS_LAST_MIN_SIZE
-        layout_reason = (
-            "auto: GPUs convolve fastest in it"
-            if device.type == "cuda"
-            else f"auto: {img_size} px {'>=' if channels_last else '<'} {CHANNELS_LAST_MIN_SIZE} px on the CPU"
-        )
+        if device.type == "mps":
+            channels_last, layout_reason = False, "auto: channels_last on mps is not measured here"
+        elif device.type == "cuda":
+            channels_last, layout_reason = True, "auto: GPUs convolve fastest in it"
+        else:
+            channels_last = img_size >= CHANNELS_LAST_MIN_SIZE
+            layout_reason = (
+                f"auto: {img_size} px {'>=' if channels_last else '<'} {CHANNELS_LAST_MIN_SIZE} px on the CPU"
+            )
     else:
         layout_reason = "--channels-last" if channels_last else "--no-channels-last"
     dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]

@@ -221,7 +221,11 @@ class Config:
     strict_images: bool = run_flag(
         False, "stop on unreadable images instead of skipping them with a warning", action="store_true"
     )
-    device: str | None = run_flag(None, "cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
+    device: str | None = run_flag(
+        None,
+        "cpu, cuda, cuda:N or mps (default: cuda when a GPU is visible, else mps on a Mac that has it, else cpu; "
+        "the DDP scripts train on the CPU instead of mps)",
+    )
     output_dir: Path | None = run_flag(
         None, "where weights, logs and metrics go (default: runs/<script>-<timestamp>)", type=Path
     )
@@ -230,7 +234,10 @@ class Config:
     sync_bn: bool = ddp_recipe(True, "synchronise BatchNorm statistics across processes", switch=True)
     dist_url: str = ddp_flag("env://", "how processes find each other (env:// reads MASTER_ADDR and MASTER_PORT)")
     dist_backend: str | None = ddp_flag(
-        None, "communication library (default: nccl on CUDA, gloo on CPU)", choices=["nccl", "gloo"]
+        None,
+        "communication library (default: nccl on CUDA where torch has it, i.e. on Linux; gloo on the CPU, Windows "
+        "and macOS)",
+        choices=["nccl", "gloo"],
     )
     dist_timeout: int = ddp_flag(1800, "seconds a collective may wait for a silent process", type=positive_int)
     world_size: int | None = spawn_flag(

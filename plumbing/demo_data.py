@@ -7,7 +7,6 @@ has to learn shapes (petal count and form, centre size) too. Everything is drawn
 """
 
 import contextlib
-import fcntl
 import math
 import os
 import random
@@ -15,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from filelock import FileLock
 from PIL import Image, ImageDraw, ImageFilter
 
 DEMO_DATA_PATH = Path(__file__).resolve().parents[1] / "data" / "demo_flower_photos"
@@ -111,8 +111,7 @@ def make_demo_data(root=DEMO_DATA_PATH, images_per_class: int = 150, size=(96, 7
     if root.is_dir():
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(root.parent / f".{root.name}.lock"):  # filelock: flock on Linux and macOS, msvcrt on Windows
         if root.is_dir():  # another process made it while we waited
             return root
         staging = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))

@@ -136,7 +136,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         type=number(int, 0),
         help="image loader processes (default: as for training, see plumbing/machine.py core_budget)",
     )
-    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
+    parser.add_argument(
+        "--device", help="cpu, cuda, cuda:N or mps (default: cuda when a GPU is visible, else mps on a Mac, else cpu)"
+    )
 
 
 def add_run_overrides(parser: argparse.ArgumentParser) -> None:

@@ -85,13 +85,14 @@ MAX_GPU_LOADERS = 8
 def core_budget(device: torch.device, processes_here: int = 1, batch_size: int = 1, workers: int | None = None):
     """(loader workers, compute threads) for one of `processes_here` processes sharing this machine's cores.
 
-    On a GPU the cores only prepare data: up to 8 workers (no more than a batch's images). On the CPU the same
-    cores also compute, and a loader process that takes a core away from a compute thread stalls every parallel
-    operation until that thread catches up: so a worker per 8 cores, and the compute threads on the rest (on 2
-    cores: no worker, images loaded between steps). `workers` (--workers) changes the workers, not the threads.
+    On a GPU (CUDA, or a Mac's mps) the cores only prepare data: up to 8 workers (no more than a batch's images).
+    On the CPU the same cores also compute, and a loader process that takes a core away from a compute thread
+    stalls every parallel operation until that thread catches up: so a worker per 8 cores, and the compute threads
+    on the rest (on 2 cores: no worker, images loaded between steps). `workers` (--workers) changes the workers,
+    not the threads.
     """
     share = max(1, available_cores() // processes_here)
-    if device.type == "cuda":
+    if device.type in ("cuda", "mps"):
         return (min(MAX_GPU_LOADERS, share, batch_size) if workers is None else workers), torch.get_num_threads()
     reserved = share // CORES_PER_CPU_LOADER  # cores kept for loading, whatever --workers says
     return (reserved if workers is None else workers), max(1, share - reserved)

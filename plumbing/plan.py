@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from model import create_model, load_weights, weights_file
-from multi_train_utils.distributed_utils import launcher_environment
+from multi_train_utils.distributed_utils import check_backend, launcher_environment
 from my_dataset import DataSplit, read_split_data
 from plumbing.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from plumbing.config import Config
@@ -36,6 +36,7 @@ def prepare(config: Config, world_size: int) -> Plan:
     Makes the demo data, splits the dataset (checking every image can be read), finds the weights file, decides
     whether the run resumes and where it writes; raises UserError for bad input.
     """
+    check_backend(config.dist_backend)  # nccl where this torch has none (Windows, macOS): said before any worker
     data_path = config.data_path or (DEMO_DATA_PATH if config.demo else None)
     if data_path is None:
         raise UserError("no data: give --data-path FOLDER (one sub-folder per class) or --demo")

@@ -3,7 +3,6 @@ TensorBoard scalars and prediction preview, weights and checkpoint (RunLog), wit
 class_indices.json at the start. In DDP rank 0 alone writes; every other rank's RunLog does nothing."""
 
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -48,6 +47,7 @@ class RunLog:
     def __init__(self, config, plan, process, compute: Compute, preview_set, start_epoch: int, enabled: bool = True):
         self.enabled, self.output_dir, self.classes = enabled, plan.output_dir, plan.split.classes
         self.compute, self.world_size, self.save_every = compute, process.world_size, config.save_every
+        self.device = process.device
         # The run's record (args.json, and each checkpoint's "args"): its flags and what was decided from them.
         self.record = config.record(
             data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=plan.output_dir,
@@ -72,7 +72,9 @@ class RunLog:
             self.log_epoch(metrics, best_acc, model)
             keep = self.save_every > 0 and (epoch + 1) % self.save_every == 0
             best_weights = best.state_dict() if best is not None else None
-            state = training_state(epoch, model, training, best_acc, self.classes, self.world_size, self.record)
+            state = training_state(
+                epoch, model, training, best_acc, self.classes, self.world_size, self.record, self.device
+            )
             save_epoch(self.output_dir, epoch, model.state_dict(), best_weights, state, keep=keep)
         except OutputError as error:
             last = self.output_dir / CHECKPOINT_NAME  # each finished epoch wrote one: the epoch before this one's
@@ -192,12 +194,29 @@ def preview_figure(model, preview, classes: list[str], compute: Compute):
 
 
 def peak_memory(device: torch.device) -> dict:
-    """This process's peak resident memory so far (loader workers not included), and on CUDA its GPU's peak."""
-    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in bytes on macOS, kilobytes on Linux
-    peak = {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20)}
+    """This process's peak resident memory so far (loader workers not included), where the OS tells it, and on
+    CUDA its GPU's peak."""
+    rss = peak_rss_mib()
+    peak = {"peak_rss_mib": rss} if rss is not None else {}
     if device.type == "cuda":
         peak["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20)
     return peak
+
+
+def peak_rss_mib() -> int | None:
+    """This process's peak resident memory in MiB: from `resource` on Linux and macOS; on Windows, which has no
+    `resource`, from psutil if it is installed (it is not required), else None."""
+    try:
+        import resource
+    except ImportError:
+        try:
+            import psutil
+        except ImportError:
+            return None
+        peak = getattr(psutil.Process().memory_info(), "peak_wset", None)  # Windows' peak working set, in bytes
+        return round(peak / 2**20) if peak is not None else None
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in bytes on macOS, kilobytes on Linux
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20)
 
 
 def keep_metrics_before(path: Path, epoch: int) -> None:

@@ -252,7 +252,8 @@ def test_a_download_that_is_not_the_expected_file_is_refused_and_not_kept(torch_
 def test_processes_asking_at_once_download_once(torch_cache, web_server):
     web_server.body, web_server.delay_s = b"pretend weights", 0.3
     name = f"resnet34-{hashlib.sha256(web_server.body).hexdigest()[:8]}.pth"  # passes torch.hub's hash check
-    # Threads stand in for processes: each opens the lock file itself, and flock locks are per open file.
+    # Threads stand in for processes: each call makes its own FileLock, which opens the lock file itself, and the
+    # flock under it (on Linux) locks per open file.
     with ThreadPoolExecutor(2) as pool:
         paths = list(pool.map(imagenet_weights_file, [web_server.url(name)] * 2))
     assert paths == [torch_cache / name] * 2

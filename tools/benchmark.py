@@ -308,7 +308,7 @@ def run_script(args, name: str, script: list, flags: list) -> dict:
         "first_epoch_seconds": epochs[0]["epoch_seconds"],
         "run_seconds": wall,
         "val_acc": epochs[-1]["val_acc"],
-        "peak_rss_mib": max(m["peak_rss_mib"] for m in epochs),
+        "peak_rss_mib": max((m["peak_rss_mib"] for m in epochs if "peak_rss_mib" in m), default=None),
         **({"peak_gpu_mib": max(m["peak_gpu_mib"] for m in epochs)} if "peak_gpu_mib" in epochs[0] else {}),
     }
 
@@ -342,7 +342,7 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {row['name']} | {row['processes']} | {row['precision']} | {row['img_per_sec']:.1f} "
             f"| {row['img_per_sec'] / baseline:.2f} | {peak} | {epoch} | {first} "
-            f"| {row['peak_rss_mib']} |"
+            f"| {row.get('peak_rss_mib') or '–'} |"  # none where the OS does not tell (Windows without psutil)
         )
     return "\n".join(lines)
 
