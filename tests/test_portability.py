@@ -44,23 +44,25 @@ def mac(monkeypatch):
     monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
 
 
+def pretend_one_cuda_gpu(monkeypatch, nccl: bool) -> None:
+    """torch's answers on a machine with one NVIDIA GPU, with or without NCCL in its build."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+
+
 @pytest.fixture
 def windows_with_cuda(monkeypatch):
     """torch's answers on Windows with one NVIDIA GPU: CUDA, but no NCCL in its build."""
     monkeypatch.setattr(sys, "platform", "win32")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    pretend_one_cuda_gpu(monkeypatch, nccl=False)
 
 
 @pytest.fixture
 def linux_with_cuda(monkeypatch):
     """torch's answers on Linux with one NVIDIA GPU and NCCL."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    pretend_one_cuda_gpu(monkeypatch, nccl=True)
 
 
 @pytest.fixture
