@@ -205,10 +205,13 @@ def taken_port():
 @pytest.fixture(scope="session")
 def spawn_run(tiny_data, shared_tmp, taken_port):
     """The spawn script with 2 processes on tiny_data (DDP_FLAGS), started with MASTER_PORT set to a port that is
-    taken, as when another job holds it: it must choose another and train as usual."""
+    taken, as when another job holds it: it must choose another and train as usual. The port it was given is in
+    master_port.txt beside the run folder (the xdist worker that made the run held it; the others hold others)."""
 
     def make(folder):
         out = folder / "run"
+        folder.mkdir(parents=True)
+        (folder / "master_port.txt").write_text(str(taken_port))
         result = run_script(
             "train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--output-dir", out, "--world-size", "2",
             *DDP_FLAGS, env={"MASTER_PORT": str(taken_port)},

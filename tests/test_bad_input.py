@@ -83,8 +83,9 @@ def test_auto_resume_needs_an_output_folder(tiny_data, run_main):
     assert_user_error(run_main("train_single_gpu.py", "--data-path", tiny_data, "--auto-resume"), "--output-dir")
 
 
-def test_spawn_chooses_another_port_when_master_port_is_taken(spawn_run, taken_port):
-    result, out = spawn_run  # started with MASTER_PORT=taken_port
+def test_spawn_chooses_another_port_when_master_port_is_taken(spawn_run):
+    result, out = spawn_run  # started with MASTER_PORT set to a port the test session held (taken_port)
+    taken_port = (out.parent / "master_port.txt").read_text()
     assert f"MASTER_PORT {taken_port} is taken; using" in result.stdout
     assert (out / "checkpoint.pth").exists()
 
