@@ -10,6 +10,7 @@ or a folder of train/ and val/ alone, each with one sub-folder per class (ImageN
     flowers/train/daisy/1234.jpg, flowers/val/daisy/5678.jpg, ...
 """
 
+import hashlib
 import math
 import random
 import sys
@@ -41,6 +42,24 @@ class DataSplit:
     classes: list[str]
     unreadable: list[str] = field(default_factory=list)  # left out of both sets (with verify_images=True)
     given: bool = False  # True: the data folder's own train/ and val/, not a random split by val_rate and seed
+
+
+def split_fingerprint(split: DataSplit, root) -> dict:
+    """What tells one split from another, for a run's record: per set, its image count and a sha256 over its
+    images' paths relative to `root` (a moved data folder is the same data) with their labels, sorted (the order
+    the files were listed in does not matter)."""
+
+    def digest(images: list[str], labels: list[int]) -> str:
+        pairs = zip(images, labels, strict=True)
+        lines = sorted(f"{Path(image).relative_to(root).as_posix()}\t{label}\n" for image, label in pairs)
+        return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+    return {
+        "train_images": len(split.train_images),
+        "train_sha256": digest(split.train_images, split.train_labels),
+        "val_images": len(split.val_images),
+        "val_sha256": digest(split.val_images, split.val_labels),
+    }
 
 
 def list_images(folder: Path) -> list[Path]:
