@@ -1,0 +1,144 @@
+"""A run's folder belongs to one run: a second run is refused while the first holds it, a crash leaves no lock
+behind, and a resume continues the same run, on the same split of the data."""
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FAST, ROOT, assert_user_error, fault_env, run_script
+
+from my_dataset import DataSplit, split_fingerprint
+from plumbing.checkpoint import load_checkpoint
+from plumbing.demo_data import make_demo_data
+from plumbing.plan import RUN_LOCK, check_same_split, held_run_folders, hold_run_folder
+from utils import UserError
+
+
+@contextlib.contextmanager
+def holding(folder: Path):
+    """This process holds `folder` as a run would (hold_run_folder), until the end of the with block."""
+    hold_run_folder(folder)
+    try:
+        yield
+    finally:
+        held_run_folders.pop(folder.resolve()).release()
+
+
+def stopped_run(data: Path, out: Path) -> None:
+    """A 2-epoch run on `data` that stopped (an injected failure) after its first epoch's checkpoint."""
+    stopped = run_script(
+        "train_single_gpu.py", "--data-path", data, "--epochs", "2", *FAST, "--output-dir", out,
+        env=fault_env("raise:0:1"),
+    )  # fmt: skip
+    assert stopped.returncode != 0 and load_checkpoint(out / "checkpoint.pth")["epoch"] == 0, stopped.stderr
+
+
+def files_of(folder: Path) -> dict:
+    """Every file of a run's folder (its lock file aside) with its bytes and modification time."""
+    return {
+        path.relative_to(folder): (path.read_bytes(), path.stat().st_mtime_ns)
+        for path in folder.rglob("*")
+        if path.is_file() and path.name != RUN_LOCK
+    }
+
+
+def test_a_run_into_a_folder_another_run_holds_is_refused_and_leaves_it_as_it_was(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    stopped_run(tiny_data, out)
+    before = files_of(out)
+    flags = ("--data-path", tiny_data, "--epochs", "2", *FAST, "--output-dir", out)
+    with holding(out):
+        for refused in (
+            run_script("train_single_gpu.py", *flags),
+            run_script("train_single_gpu.py", *flags, "--auto-resume"),
+        ):
+            assert_user_error(refused, f"{out} is in use by another run")
+            assert "wait for that run to end, or choose another --output-dir" in refused.stderr
+        assert files_of(out) == before
+
+    resumed = run_script("train_single_gpu.py", *flags, "--auto-resume")  # released: the run continues
+    assert resumed.returncode == 0, resumed.stderr
+    assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 1
+
+
+@pytest.mark.fast
+def test_the_lock_of_a_run_folder_ends_with_the_process_that_held_it(tmp_path):
+    folder = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from plumbing.plan import hold_run_folder; "
+         "hold_run_folder(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)", str(folder)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(UserError, match="is in use by another run"):
+            hold_run_folder(folder)
+    finally:
+        holder.kill()  # as a crash would: the holder never releases the lock itself
+        holder.wait()
+    with holding(folder):  # no stale lock to clean up
+        assert (folder / RUN_LOCK).exists()
+
+
+def test_a_resume_on_data_that_lost_or_gained_images_is_refused_and_one_on_moved_data_continues(
+    tiny_data, tmp_path, run_main
+):
+    data, out = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(tiny_data, data)  # tiny_data is the whole session's: this test changes its own copy
+    stopped_run(data, out)
+    resume = ("train_single_gpu.py", "--epochs", "2", *FAST, "--resume", out / "checkpoint.pth")
+
+    lost = data / "daisy" / "daisy_0000.jpg"
+    lost.rename(tmp_path / lost.name)
+    changed = "was trained on another split of the data: 49 training images where the run had 50"  # of 60
+    assert_user_error(run_main(*resume, "--data-path", data), changed)
+    (tmp_path / lost.name).rename(lost)
+
+    more = make_demo_data(tmp_path / "more", images_per_class=13, size=(48, 40))  # tiny_data's, and one more each
+    gained = shutil.copy(more / "tulips" / "tulips_0012.jpg", data / "tulips")
+    assert_user_error(run_main(*resume, "--data-path", data), "was trained on another split of the data: ")
+    Path(gained).unlink()
+
+    moved = data.rename(tmp_path / "moved")  # the same files, relative to the data folder
+    resumed = run_script(*resume, "--data-path", moved)
+    assert resumed.returncode == 0, resumed.stderr
+    assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 1
+
+
+def fingerprint_of(root: Path, pairs: list[tuple[str, int]], val: list[tuple[str, int]]) -> dict:
+    images = lambda pairs: [str(root / name) for name, _ in pairs]  # noqa: E731
+    labels = lambda pairs: [label for _, label in pairs]  # noqa: E731
+    split = DataSplit(images(pairs), labels(pairs), images(val), labels(val), ["a", "b"])
+    return split_fingerprint(split, root)
+
+
+TRAIN = [("a/1.jpg", 0), ("a/2.jpg", 0), ("b/3.jpg", 1)]
+VAL = [("a/4.jpg", 0), ("b/5.jpg", 1)]
+
+
+@pytest.mark.fast
+def test_the_split_fingerprint_depends_on_the_images_and_labels_not_their_order_nor_the_data_folder(tmp_path):
+    fingerprint = fingerprint_of(tmp_path / "data", TRAIN, VAL)
+    assert fingerprint_of(tmp_path / "data", TRAIN[::-1], VAL[::-1]) == fingerprint
+    assert fingerprint_of(tmp_path / "elsewhere", TRAIN, VAL) == fingerprint
+    assert fingerprint_of(tmp_path / "data", [*TRAIN[:2], ("b/3.jpg", 0)], VAL) != fingerprint  # another label
+    assert fingerprint_of(tmp_path / "data", TRAIN, [*VAL, ("b/6.jpg", 1)]) != fingerprint
+    assert (fingerprint["train_images"], fingerprint["val_images"]) == (3, 2)
+
+
+@pytest.mark.fast
+def test_a_changed_split_is_refused_naming_what_changed_and_a_checkpoint_without_one_is_accepted(tmp_path):
+    checkpoint, run = tmp_path / "run" / "checkpoint.pth", fingerprint_of(tmp_path, TRAIN, VAL)
+    fewer = fingerprint_of(tmp_path, TRAIN[:2], VAL)
+    with pytest.raises(UserError, match="2 training images where the run had 3") as refused:
+        check_same_split(checkpoint, run, fewer)
+    assert "validation" not in str(refused.value)
+    swapped = fingerprint_of(tmp_path, TRAIN, [("a/4.jpg", 0), ("b/6.jpg", 1)])
+    with pytest.raises(UserError, match="2 validation images, not all the run's"):
+        check_same_split(checkpoint, run, swapped)
+    check_same_split(checkpoint, run, fingerprint_of(tmp_path, TRAIN, VAL))
+    check_same_split(checkpoint, None, fewer)  # a run from before split fingerprints: resumed as before
