@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, assert_user_error, fault_env, run_script
+from conftest import DDP_FLAGS, FAST, ROOT, assert_user_error, fault_env, run_script, torchrun
 
 from my_dataset import DataSplit, split_fingerprint
 from plumbing.checkpoint import load_checkpoint
@@ -63,6 +63,19 @@ def test_a_run_into_a_folder_another_run_holds_is_refused_and_leaves_it_as_it_wa
     resumed = run_script("train_single_gpu.py", *flags, "--auto-resume")  # released: the run continues
     assert resumed.returncode == 0, resumed.stderr
     assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 1
+
+
+def test_under_torchrun_rank_0_alone_holds_the_folder_and_its_refusal_ends_the_job(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    flags = ("--data-path", tiny_data, "--output-dir", out, *DDP_FLAGS, "--epochs", "1")
+    with holding(out):
+        refused = run_script("train_multi_gpu_using_launch.py", *flags, launcher=torchrun(2), timeout=120)
+    assert refused.returncode != 0 and f"error: {out} is in use by another run" in refused.stderr
+    assert [path.name for path in out.iterdir()] == [RUN_LOCK]  # torchrun adds its own report of the failed rank
+
+    ran = run_script("train_multi_gpu_using_launch.py", *flags, launcher=torchrun(2))  # rank 1 takes no lock
+    assert ran.returncode == 0, ran.stderr
+    assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 0
 
 
 @pytest.mark.fast
