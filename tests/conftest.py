@@ -252,17 +252,11 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_WORKERS, available_cores()))
 
 
-# The longest files, longest first (measured 2026-11-23, 2-core AMD EPYC): started first, so that the two workers
-# finish together instead of one waiting on the other's last long file. Any file missing here runs after them.
-LONGEST_FIRST = (
-    "test_guarantees_on_avx2.py", "test_failures.py", "test_training.py", "test_run_folder.py", "test_recipe_runs.py",
-    "test_portability.py", "test_filesystem.py", "test_equivalence.py", "test_benchmark.py",
-)  # fmt: skip
+LONGEST_FIRST = ("test_guarantees_on_avx2.py",)  # one file taking a third of the suite: started first, not last
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: the rest keep their order
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # a stable sort: the rest keep their order
 
 
 def pytest_configure(config):
