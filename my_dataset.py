@@ -11,6 +11,7 @@ or a folder of train/ and val/ alone, each with one sub-folder per class (ImageN
 """
 
 import hashlib
+import itertools
 import math
 import random
 import sys
@@ -331,20 +332,28 @@ class SeededSamples(Dataset):
 class SeededBatchSampler(Sampler):
     """Wraps a batch sampler: each index goes out as (index, seed), the seed a function of (seed, epoch, index).
 
-    `set_epoch` is passed on to the wrapped sampler (a DistributedSampler), which reshuffles by epoch.
+    `set_epoch` is passed on to the wrapped sampler (a DistributedSampler), which reshuffles by epoch. `start_at`
+    makes the next pass begin part way through the epoch, where a run stopped at a step resumes.
     """
 
     def __init__(self, batch_sampler, seed: int):
         self.batch_sampler = batch_sampler
         self.seed = seed
         self.epoch = 0
+        self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.batch_sampler.sampler.set_epoch(epoch)
 
+    def start_at(self, batch: int) -> None:
+        """The next pass skips the epoch's first `batch` batches (their images are not loaded); later passes
+        start at 0."""
+        self.start = batch
+
     def __iter__(self):
-        for batch in self.batch_sampler:
+        start, self.start = self.start, 0
+        for batch in itertools.islice(self.batch_sampler, start, None):
             yield [(index, sample_seed(self.seed, self.epoch, index)) for index in batch]
 
     def __len__(self):

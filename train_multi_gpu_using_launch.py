@@ -34,6 +34,7 @@ from plumbing.compute import choose_compute
 from plumbing.config import parse_config
 from plumbing.machine import use_cores
 from plumbing.plan import prepare
+from plumbing.preemption import ignore_stop_signals
 from plumbing.recipe import build_objective, build_optimizer, model_ema
 from plumbing.run_log import RunLog, announce, best_so_far, epoch_metrics
 from utils import entry_point
@@ -45,7 +46,7 @@ def main(argv=None):
     launched = launcher_environment()  # DDP: torchrun set this process's RANK, WORLD_SIZE and LOCAL_RANK
     if launched is None:
         print("Not started by torchrun or SLURM: training in one process (see --help for the torchrun command).")
-    plan = prepare(config, world_size=launched["world_size"] if launched else 1)
+    config, plan = prepare(config, world_size=launched["world_size"] if launched else 1)
     # DDP: join the process group (every process waits here for all the others), on the local rank's GPU
     process = init_distributed_mode(config.device, config.dist_backend, config.dist_url, config.dist_timeout)
     try:
@@ -62,6 +63,7 @@ def train(config, plan, process) -> dict:
     announce(config.script, process, plan.split, workers)
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
     loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
+    loading["worker_init_fn"] = ignore_stop_signals  # a stop signal is for this process to act on, at a step
 
     # The data. DDP: each process trains on its own shard of every epoch's shuffle (a DistributedSampler)...
     train_set, val_set = datasets(plan.split, config)
@@ -97,18 +99,20 @@ def train(config, plan, process) -> dict:
     expected = (len(train_loader) * config.batch_size * process.world_size, len(val_set))  # an epoch's images
     limits = unreadable_limits(*expected, config.strict_images)
     metrics = {}
-    for epoch in range(start_epoch, config.epochs):
-        batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch; DDP: every shard moves with it
-        lr, start = optimizer.param_groups[0]["lr"], time.perf_counter()
-        # DDP: train_one_epoch and validate all-reduce their sums, so every process logs the global figures
-        trained_epoch = train_one_epoch(training, train_loader, device, epoch, limits[0])
-        train_seconds = time.perf_counter() - start
-        confusion, ema_metrics = validate(model, training, val_loader, device, len(plan.split.classes), limits[1])
-        seconds = (train_seconds, time.perf_counter() - start)
-        metrics = epoch_metrics(epoch, lr, trained_epoch, seconds, confusion, expected, process) | ema_metrics
-        best, best_acc = best_so_far(metrics, model, training.ema, best_acc)
-        # DDP: rank 0 writes the epoch; the others wait for it, and stop with it if it cannot
-        on_main_process(log.epoch, metrics, model, training, best, best_acc)
+    # A stop signal (SIGTERM, SIGUSR1: preemption, a time limit) ends the run at a step, saved for --auto-resume
+    with log.saving_a_step_on_stop(model, training, best_acc):
+        for epoch in range(start_epoch, config.epochs):
+            batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch; DDP: every shard moves with it
+            lr, start = training.epoch_lr(), time.perf_counter()
+            # DDP: train_one_epoch and validate all-reduce their sums, so every process logs the global figures
+            trained_epoch = train_one_epoch(training, train_loader, device, epoch, limits[0])
+            train_seconds = time.perf_counter() - start
+            confusion, ema_metrics = validate(model, training, val_loader, device, len(plan.split.classes), limits[1])
+            seconds = (train_seconds, time.perf_counter() - start)
+            metrics = epoch_metrics(epoch, lr, trained_epoch, seconds, confusion, expected, process) | ema_metrics
+            best, best_acc = best_so_far(metrics, model, training.ema, best_acc)
+            # DDP: rank 0 writes the epoch; the others wait for it, and stop with it if it cannot
+            on_main_process(log.epoch, metrics, model, training, best, best_acc)
     log.done(best_acc)
     return metrics
 

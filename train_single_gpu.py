@@ -22,6 +22,7 @@ from plumbing.compute import choose_compute
 from plumbing.config import parse_config
 from plumbing.machine import use_cores
 from plumbing.plan import prepare
+from plumbing.preemption import ignore_stop_signals
 from plumbing.recipe import build_objective, build_optimizer, model_ema
 from plumbing.run_log import RunLog, announce, best_so_far, epoch_metrics
 from utils import entry_point
@@ -30,7 +31,7 @@ from utils import entry_point
 @entry_point
 def main(argv=None):
     config = parse_config("train_single_gpu", __doc__.splitlines()[0], argv)
-    plan = prepare(config, world_size=1)
+    config, plan = prepare(config, world_size=1)
     process = single_process(config.device)  # no process group: rank 0 of a world of one
     train(config, plan, process)
 
@@ -43,6 +44,7 @@ def train(config, plan, process) -> dict:
     announce(config.script, process, plan.split, workers)
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
     loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
+    loading["worker_init_fn"] = ignore_stop_signals  # a stop signal is for this process to act on, at a step
 
     # The data: every epoch a new seeded shuffle of all the training images, in batches
     train_set, val_set = datasets(plan.split, config)
@@ -72,16 +74,18 @@ def train(config, plan, process) -> dict:
     expected = (len(train_loader) * config.batch_size * process.world_size, len(val_set))  # an epoch's images
     limits = unreadable_limits(*expected, config.strict_images)
     metrics = {}
-    for epoch in range(start_epoch, config.epochs):
-        batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
-        lr, start = optimizer.param_groups[0]["lr"], time.perf_counter()
-        trained_epoch = train_one_epoch(training, train_loader, device, epoch, limits[0])
-        train_seconds = time.perf_counter() - start
-        confusion, ema_metrics = validate(model, training, val_loader, device, len(plan.split.classes), limits[1])
-        seconds = (train_seconds, time.perf_counter() - start)
-        metrics = epoch_metrics(epoch, lr, trained_epoch, seconds, confusion, expected, process) | ema_metrics
-        best, best_acc = best_so_far(metrics, model, training.ema, best_acc)
-        log.epoch(metrics, model, training, best, best_acc)
+    # A stop signal (SIGTERM, SIGUSR1: preemption, a time limit) ends the run at a step, saved for --auto-resume
+    with log.saving_a_step_on_stop(model, training, best_acc):
+        for epoch in range(start_epoch, config.epochs):
+            batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
+            lr, start = training.epoch_lr(), time.perf_counter()
+            trained_epoch = train_one_epoch(training, train_loader, device, epoch, limits[0])
+            train_seconds = time.perf_counter() - start
+            confusion, ema_metrics = validate(model, training, val_loader, device, len(plan.split.classes), limits[1])
+            seconds = (train_seconds, time.perf_counter() - start)
+            metrics = epoch_metrics(epoch, lr, trained_epoch, seconds, confusion, expected, process) | ema_metrics
+            best, best_acc = best_so_far(metrics, model, training.ema, best_acc)
+            log.epoch(metrics, model, training, best, best_acc)
     log.done(best_acc)
     return metrics
 

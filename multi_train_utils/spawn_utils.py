@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import find_free_port, resolve_device
+from plumbing.preemption import STOP_SIGNALS
 from utils import UserError
 
 
@@ -70,21 +71,37 @@ def run_workers(worker, args: tuple, nprocs: int) -> None:
     """Start `nprocs` processes of worker(rank, *args) and wait for all of them.
 
     If one fails, the others are stopped and this process exits with its status; if this process is stopped
-    (Ctrl-C, SIGTERM), it stops them first. No worker outlives it.
+    (Ctrl-C, or a stop signal: SIGTERM, SIGUSR1), it stops them first: a stop signal is passed on, and the workers
+    save the step they stop at (plumbing/preemption.py) before they exit. No worker outlives it.
     """
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop_workers)
     context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
     try:
         while not context.join():  # raises as soon as any worker fails, after stopping the others
             pass
     except mp.ProcessExitedException as error:
-        # The worker printed its error (one line for bad input, exit 2; a traceback otherwise): pass its status on.
-        if error.exit_code != 2:
+        # The worker printed its error (one line for bad input, exit 2; a traceback otherwise) or where it stopped
+        # (a stop signal, 128 + its number): pass its status on.
+        if error.exit_code != 2 and error.exit_code - 128 not in STOP_SIGNALS:
             print(f"error: worker {error.error_index} ended with status {error.exit_code}", file=sys.stderr)
         sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)
     finally:
+        signum = stopped_by[0] if stopped_by else signal.SIGTERM
         for process in context.processes:
             if process.is_alive():
-                process.terminate()
+                os.kill(process.pid, signum)  # a stop signal: the workers stop at a step and save it
         for process in context.processes:
             process.join()
+
+
+stopped_by: list[int] = []  # the stop signal this process received, if any
+
+
+def stop_workers(signum, frame) -> None:
+    """This process's handler of the stop signals: the first ends the wait for the workers (run_workers then passes
+    the signal on to them and waits for them to save and exit); later ones are ignored, so nothing interrupts
+    that wait."""
+    if not stopped_by:
+        stopped_by.append(signum)
+        sys.exit(128 + signum)

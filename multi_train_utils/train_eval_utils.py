@@ -10,7 +10,9 @@ from tqdm import tqdm
 
 from multi_train_utils.distributed_utils import is_main_process, reduce_value
 from my_dataset import SKIPPED
+from plumbing.checkpoint import set_rng_states
 from plumbing.compute import Compute
+from plumbing.preemption import Midway, StopRequested, agreed_signal, stop_votes
 from plumbing.recipe import Objective
 from utils import UserError
 
@@ -24,8 +26,9 @@ class NonFiniteLossError(UserError):
 class Training:
     """What a training step uses and changes: the model as it is trained (wrapped in DDP, compiled, ...), its
     optimizer and learning-rate schedule, how it computes (precision, memory layout, and the gradient scaler that
-    float16 needs), the loss (`objective`), the weights' moving average (`ema`, or None) and the number of
-    micro-batches whose gradients each optimizer step sums (`accumulate`)."""
+    float16 needs), the loss (`objective`), the weights' moving average (`ema`, or None), the number of
+    micro-batches whose gradients each optimizer step sums (`accumulate`), and where a resumed run continues an
+    epoch it stopped in (`midway`, set by plumbing.checkpoint.restore; None: at the epoch's start)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -35,6 +38,12 @@ class Training:
     objective: Objective = Objective()
     ema: nn.Module | None = None
     accumulate: int = 1
+    midway: Midway | None = None
+
+    def epoch_lr(self) -> float:
+        """The learning rate of the coming epoch's first step (the epoch's metrics report it): the optimizer's now,
+        or, in an epoch a resumed run continues, the one it had when it started."""
+        return self.optimizer.param_groups[0]["lr"] if self.midway is None else self.midway.lr
 
 
 def train_one_epoch(training: Training, data_loader, device, epoch: int, max_skipped=None) -> tuple[float, int]:
@@ -49,19 +58,30 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
     mean on any world size and every rank sees a non-finite loss together. The gradient scaler is needed for
     float16 only (its narrow range would underflow small gradients); disabled or None, steps are plain. Images
     that could not be read (labelled SKIPPED) are left out of the loss; the count of them, summed over the ranks
-    with the loss, stops every rank at the same step once it passes `max_skipped` (None: no limit).
+    with the loss, stops every rank at the same step once it passes `max_skipped` (None: no limit). A stop signal
+    (plumbing/preemption.py), summed with them too, raises StopRequested on every rank after the same optimizer
+    step. With `training.midway`, the epoch continues from that step (the loader must batch with a
+    SeededBatchSampler, as shuffled_batches does).
     """
-    model, optimizer, scheduler, compute = training.model, training.optimizer, training.scheduler, training.compute
-    objective, ema, accumulate = training.objective, training.ema, training.accumulate
-    device = torch.device(device)
-    scaler = training.scaler or torch.amp.GradScaler(device.type, enabled=False)
+    model, optimizer, compute, objective = training.model, training.optimizer, training.compute, training.objective
+    device, first_lr, midway, training.midway = torch.device(device), training.epoch_lr(), training.midway, None
     model.train()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # (sum of sample losses, samples, skipped)
-    progress = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process())
+    start = 0 if midway is None else midway.step
+    # (sum of sample losses, samples, skipped), over every rank
+    totals = torch.tensor([0.0, 0, 0] if midway is None else midway.totals, dtype=torch.float64, device=device)
+    if midway is not None:
+        data_loader.batch_sampler.start_at(start)
+    progress = tqdm(
+        data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process(), initial=start
+    )
+    batches = enumerate(progress, start=start)  # the loader draws a seed from torch's generator as it starts...
+    if midway is not None:
+        set_rng_states(midway.rng)  # ... which the uninterrupted run drew before the step the checkpoint holds
+    step_scaler = training.scaler or torch.amp.GradScaler(device.type, enabled=False)
     optimizer.zero_grad(set_to_none=True)
-    for step, (images, labels) in enumerate(progress):
-        group = min(accumulate, len(data_loader) - step // accumulate * accumulate)  # micro-batches in this step
-        last_of_group = (step + 1) % accumulate == 0 or step + 1 == len(data_loader)
+    stopping = None
+    for step, (images, labels) in batches:
+        last_of_group = (step + 1) % training.accumulate == 0 or step + 1 == len(data_loader)
         read = int((labels != SKIPPED).sum())
         images, labels = compute.batch_to(images, device), labels.to(device, non_blocking=device.type == "cuda")
         images, mixing = objective.mix(images, epoch, step)
@@ -71,30 +91,52 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
                 # A batch of nothing but skipped images still takes its step (every rank steps together): loss 0.
                 loss_sum = objective.loss_sum(outputs, labels, mixing)
                 loss = loss_sum / read if read else outputs.sum() * 0.0
-            scaler.scale(loss / group).backward()
+            step_scaler.scale(loss / group_size(training, step, len(data_loader))).backward()
 
-        # (sum of the step's sample losses, samples, skipped images), over every rank
-        step_totals = torch.tensor([loss_sum.item(), read, len(labels) - read], dtype=torch.float64, device=device)
-        step_totals = reduce_value(step_totals, average=False)
-        if not torch.isfinite(step_totals[0]):
-            raise NonFiniteLossError(
-                f"non-finite loss at epoch {epoch}: stopped; lower --lr or check the data "
-                "(the last checkpoint is from before this epoch)"
-            )
-        totals += step_totals
-        if max_skipped is not None and totals[2] > max_skipped:
-            raise UserError(too_many_skipped(int(totals[2]), max_skipped, f"epoch {epoch}'s training images"))
+        # (sum of the step's sample losses, samples, skipped images, stop votes), over every rank
+        step_totals = [loss_sum.item(), read, len(labels) - read, *stop_votes()]
+        step_totals = reduce_value(torch.tensor(step_totals, dtype=torch.float64, device=device), average=False)
+        check_step(step_totals, totals, epoch, max_skipped)
+        totals += step_totals[:3]
+        stopping = stopping or agreed_signal(step_totals[3:].tolist())
         if last_of_group:
-            scaler.step(optimizer)  # with float16, skips the step (and lowers the scale) if a gradient overflowed
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
-            if ema is not None:
-                ema.update_parameters(model)
+            optimizer_step(training, step_scaler)
+            if stopping is not None:
+                progress.close()
+                raise StopRequested(stopping, epoch, step + 1, totals.tolist(), first_lr)
         progress.set_postfix(mean_loss=f"{(totals[0] / totals[1].clamp(min=1)).item():.3f}")
     total_loss, total_images, _ = totals.tolist()
     return total_loss / max(total_images, 1), int(total_images)
+
+
+def group_size(training: Training, step: int, batches: int) -> int:
+    """The micro-batches in the optimizer step that `step` belongs to: training.accumulate, or at the end of an
+    epoch of `batches` micro-batches, those that are left."""
+    return min(training.accumulate, batches - step // training.accumulate * training.accumulate)
+
+
+def check_step(step_totals: torch.Tensor, totals: torch.Tensor, epoch: int, max_skipped) -> None:
+    """Stop every rank (all see the same summed `step_totals`) on a non-finite loss, before the optimizer step, so
+    the weights stay finite, or once the skipped images pass `max_skipped`."""
+    if not torch.isfinite(step_totals[0]):
+        raise NonFiniteLossError(
+            f"non-finite loss at epoch {epoch}: stopped; lower --lr or check the data "
+            "(the last checkpoint is from before this epoch)"
+        )
+    skipped = int(totals[2] + step_totals[2])
+    if max_skipped is not None and skipped > max_skipped:
+        raise UserError(too_many_skipped(skipped, max_skipped, f"epoch {epoch}'s training images"))
+
+
+def optimizer_step(training: Training, step_scaler: torch.amp.GradScaler) -> None:
+    """The step the summed gradients ask for, then the schedule's and the weights' average's."""
+    step_scaler.step(training.optimizer)  # with float16, skips the step (and lowers the scale) if one overflowed
+    step_scaler.update()
+    training.optimizer.zero_grad(set_to_none=True)
+    if training.scheduler is not None:
+        training.scheduler.step()
+    if training.ema is not None:
+        training.ema.update_parameters(training.model)
 
 
 def synchronised(model, sync: bool):

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from multi_train_utils.distributed_utils import print_once
+from plumbing.preemption import Midway
 from utils import UserError, safe_load, write_atomically
 
 CHECKPOINT_NAME = "checkpoint.pth"
@@ -73,12 +74,20 @@ def restore(state: dict, model, training) -> tuple[int, float]:
         training.scaler.load_state_dict(state["scaler"])
     if training.ema is not None:
         training.ema.load_state_dict(state["ema"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    if "mps" in state["rng"] and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(state["rng"]["mps"])
+    set_rng_states(state["rng"])
+    if state.get("midway") is not None:  # stopped at a step of the epoch after state["epoch"]
+        midway = state["midway"]
+        training.midway = Midway(midway["step"], midway["totals"], state["rng"], midway["lr"])
     return state["epoch"] + 1, state["best_acc"]
+
+
+def set_rng_states(rng: dict) -> None:
+    """Put back the random generators' states a checkpoint holds (training_state's "rng")."""
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "mps" in rng and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(rng["mps"])
 
 
 def resume_from(checkpoint: Path | None, model, training, epochs: int) -> tuple[int, float]:
@@ -87,7 +96,10 @@ def resume_from(checkpoint: Path | None, model, training, epochs: int) -> tuple[
     if checkpoint is None:
         return 0, -1.0
     start_epoch, best_acc = restore(load_checkpoint(checkpoint), model, training)
-    print_once(f"Resuming from {checkpoint}: epoch {start_epoch} of {epochs}, best val acc so far {best_acc:.3f}")
+    at_step = f", step {training.midway.step}" if training.midway is not None else ""
+    print_once(
+        f"Resuming from {checkpoint}: epoch {start_epoch}{at_step} of {epochs}, best val acc so far {best_acc:.3f}"
+    )
     return start_epoch, best_acc
 
 

@@ -6,7 +6,7 @@ everything the training loop needs to know that the flags alone do not say. Mist
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from filelock import BaseFileLock, FileLock, Timeout
@@ -30,10 +30,13 @@ class Plan:
     output_dir: Path
     weights: Path | None = None
     resume: Path | None = None
+    given: dict = field(default_factory=dict)  # the run's --batch-size and --lr, for `recipe_world_size` processes
 
 
-def prepare(config: Config, world_size: int) -> Plan:
-    """Check the input and make the one-time decisions that need no process group, for `world_size` processes.
+def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
+    """Check the input and make the one-time decisions that need no process group, for `world_size` processes;
+    returns the configuration to train with (`config`, or for a run resumed on another number of processes, its
+    per-process batch and rate: per_process_recipe) and the Plan.
 
     Makes the demo data, splits the dataset (checking every image can be read), finds the weights file, decides
     whether the run resumes (on the same split) and where it writes, and holds that folder for the process that
@@ -46,26 +49,27 @@ def prepare(config: Config, world_size: int) -> Plan:
     if config.demo:
         make_demo_data(data_path)
     split = read_split_data(data_path, config.val_rate, config.seed, verify_images=True)
+    resume, output_dir, saved = resume_and_output(config, split, Path(data_path), world_size)
+    config, given = per_process_recipe(config, saved, world_size, resume)
     check_split(config, split, data_path, world_size)
     weights = None
     if config.weights is not None:
         weights = weights_file(config.weights, config.model)  # `imagenet`: downloaded here, before any worker starts
         # refuse an unusable file before starting
         load_weights(create_model(len(split.classes), config.model), weights, name=config.model)
-    resume, output_dir = resume_and_output(config, split, Path(data_path), world_size)
     check_writable(output_dir)
-    if (launcher_environment() or {}).get("rank", 0) == 0:  # under torchrun every rank prepares; rank 0 writes
+    if first_rank():  # under torchrun every rank prepares; rank 0 writes
         hold_run_folder(output_dir)  # before looking at what the folder holds: another live run may be writing it
     if resume is None and (output_dir / "metrics.jsonl").exists():
         raise UserError(
             f"{output_dir} already holds a run: continue it with --auto-resume, or choose another --output-dir"
         )
-    return Plan(Path(data_path), split, output_dir, weights, resume)
+    return config, Plan(Path(data_path), split, output_dir, weights, resume, given)
 
 
 def check_split(config: Config, split: DataSplit, data_path: Path, world_size: int) -> None:
     if split.given and config.val_rate != Config.default("val_rate"):
-        if (launcher_environment() or {}).get("rank", 0) == 0:  # under torchrun every rank prepares: say it once
+        if first_rank():  # under torchrun every rank prepares: say it once
             print(f"note: --val-rate {config.val_rate} is ignored: {data_path} holds train/ and val/, used as given")
     if split.unreadable and config.strict_images:
         raise UserError(f"{len(split.unreadable)} unreadable image(s) (--strict-images): {describe(split.unreadable)}")
@@ -80,6 +84,12 @@ def check_split(config: Config, split: DataSplit, data_path: Path, world_size: i
             f"--batch-size {config.batch_size} is larger than the {per_process} training images each of "
             f"{world_size} process(es) gets: an epoch would have no step"
         )
+
+
+def first_rank() -> bool:
+    """Whether this process is rank 0, before any process group exists: under torchrun every rank prepares, and
+    rank 0 alone speaks and writes."""
+    return (launcher_environment() or {}).get("rank", 0) == 0
 
 
 RUN_LOCK = ".run.lock"  # in a run's folder: held by the process that writes the run's files, while it lives
@@ -103,9 +113,9 @@ def hold_run_folder(folder: Path) -> None:
     held_run_folders[folder.resolve()] = lock
 
 
-def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_size: int) -> tuple[Path | None, Path]:
-    """The checkpoint to resume from (checked against the data, its split and the flags) or None, and the output
-    folder."""
+def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_size: int):
+    """(the checkpoint to resume from, checked against the data, its split and the flags, or None; the output
+    folder; the checkpoint's record of its run ("args", with its "world_size"), or None)."""
     resume, output_dir = config.resume, config.output_dir
     if config.auto_resume:
         if output_dir is None:
@@ -116,12 +126,41 @@ def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_s
         state = load_checkpoint(resume)
         if state["classes"] != split.classes:
             raise UserError(f"{resume} was trained on classes {state['classes']}, the data has {split.classes}")
-        if state["world_size"] != world_size:
-            raise UserError(f"{resume} was made by {state['world_size']} process(es); resume with as many")
         check_same_recipe(resume, state["args"], config)
         check_same_split(resume, state["args"].get("split"), split_fingerprint(split, data_path))
-        return resume, output_dir or resume.parent
-    return None, output_dir or Path("runs") / f"{config.script}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return resume, output_dir or resume.parent, state["args"] | {"world_size": state["world_size"]}
+    return None, output_dir or Path("runs") / f"{config.script}-{time.strftime('%Y%m%d-%H%M%S')}", None
+
+
+def per_process_recipe(config: Config, saved: dict | None, world_size: int, checkpoint: Path | None):
+    """(the configuration to train with on `world_size` processes, the run's batch and rate as given: `given`).
+
+    A run's --batch-size and --lr are given for the number of processes it started on (`recipe_world_size`); a
+    step averages batch x processes x --accumulate images at lr x processes x --accumulate (the linear scaling
+    rule). Resumed on another number of processes, each process takes a share of the same global batch, and
+    --lr scales with it, so that every step averages the same images at the same rate: the recipe, and with
+    SyncBatchNorm the very computation, is unchanged (tests/test_resize.py). A global batch that does not split
+    evenly is refused.
+    """
+    recipe_world_size = world_size if saved is None else saved.get("recipe_world_size", saved["world_size"])
+    given = {"batch_size": config.batch_size, "lr": config.lr, "recipe_world_size": recipe_world_size}
+    if recipe_world_size == world_size:
+        return config, given
+    images = config.batch_size * recipe_world_size  # of a micro-batch over all the processes
+    if images % world_size:
+        raise UserError(
+            f"{checkpoint} was trained by {recipe_world_size} process(es) of --batch-size {config.batch_size}: "
+            f"its {images} images a step cannot be shared evenly by {world_size} processes; resume on a number of "
+            f"processes that divides {images}"
+        )
+    batch, lr = images // world_size, config.lr * recipe_world_size / world_size
+    if first_rank():  # under torchrun every rank prepares: say it once
+        print(
+            f"Resuming on {world_size} process(es) a run of {recipe_world_size}: {batch} images and --lr {lr:g} "
+            f"per process (the run's --batch-size {config.batch_size}, --lr {config.lr:g}), the same "
+            f"{images * config.accumulate} images and rate a step"
+        )
+    return replace(config, batch_size=batch, lr=lr), given
 
 
 def check_same_recipe(checkpoint: Path, saved: dict, config: Config) -> None:

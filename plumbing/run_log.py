@@ -2,6 +2,7 @@
 TensorBoard scalars and prediction preview, weights and checkpoint (RunLog), with args.json and
 class_indices.json at the start. In DDP rank 0 alone writes; every other rank's RunLog does nothing."""
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -10,10 +11,11 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
-from multi_train_utils.distributed_utils import print_once
+from multi_train_utils.distributed_utils import on_main_process, print_once
 from my_dataset import IMAGENET_MEAN, IMAGENET_STD, DataSplit, split_fingerprint, write_class_indices
-from plumbing.checkpoint import CHECKPOINT_NAME, save_epoch, training_state
+from plumbing.checkpoint import CHECKPOINT_NAME, save_atomically, save_epoch, training_state
 from plumbing.compute import Compute
+from plumbing.preemption import StopRequested, stop_signals_noted
 from utils import OutputError, describe, write_atomically, write_failure, write_json
 
 
@@ -53,6 +55,7 @@ class RunLog:
             data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=plan.output_dir,
             world_size=process.world_size, device=str(process.device), channels_last=compute.channels_last,
             split=split_fingerprint(plan.split, plan.data_path),  # a resume checks it has the same images
+            **plan.given,  # the run's --batch-size and --lr as given, and for how many processes
         )  # fmt: skip
         if not enabled:
             return
@@ -68,7 +71,7 @@ class RunLog:
     def epoch(self, metrics: dict, model, training, best, best_acc: float) -> None:
         """Everything an epoch leaves: its printed line, its log lines, its weights (and `best`'s, the model or
         its average, when it improved on the best accuracy), then the checkpoint of `model` and `training`."""
-        epoch = metrics["epoch"]
+        epoch, self.best_acc = metrics["epoch"], best_acc
         try:
             self.log_epoch(metrics, best_acc, model)
             keep = self.save_every > 0 and (epoch + 1) % self.save_every == 0
@@ -81,6 +84,37 @@ class RunLog:
             last = self.output_dir / CHECKPOINT_NAME  # each finished epoch wrote one: the epoch before this one's
             kept = f"{last} (epoch {epoch - 1}) is untouched" if last.exists() else "no checkpoint yet"
             raise OutputError(f"{error}; stopped, {kept}: make room, then continue with --resume {last}") from None
+
+    @contextlib.contextmanager
+    def saving_a_step_on_stop(self, model, training, best_acc: float):
+        """Inside, a stop signal (SIGTERM, SIGUSR1: plumbing/preemption.py) ends the run at a training step every
+        rank agrees on: rank 0 saves that step as the checkpoint, while the others wait for it, and every process
+        exits with status 128 + the signal. --auto-resume (or --resume) continues from that step. `best_acc` is the
+        best validation accuracy when it starts; each epoch's call to epoch() brings it up to date."""
+        self.best_acc = best_acc
+        with stop_signals_noted():
+            try:
+                yield
+            except StopRequested as stop:
+                on_main_process(self.save_step, model, training, stop)
+                raise SystemExit(stop.status) from None
+
+    def save_step(self, model, training, stop: StopRequested) -> None:
+        """The checkpoint of a run stopped at step `stop.step` of epoch `stop.epoch`: the training state then, and
+        where in the epoch it is (its "midway")."""
+        state = training_state(
+            stop.epoch - 1, model, training, self.best_acc, self.classes, self.world_size, self.record, self.device
+        )
+        path = self.output_dir / CHECKPOINT_NAME
+        try:
+            save_atomically(state | {"midway": stop.midway()}, path)
+        except OutputError as error:
+            raise OutputError(f"{error}; stopped by a signal, the checkpoint of the last epoch is untouched") from None
+        print(
+            f"{stop}: saved in {path}; to continue from this step, run the same command with --auto-resume (or "
+            f"--resume {path})",
+            flush=True,
+        )
 
     def done(self, best_acc: float) -> None:
         if self.enabled:

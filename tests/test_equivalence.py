@@ -27,8 +27,11 @@ from model import create_model
 from multi_train_utils.distributed_utils import reduce_value
 from multi_train_utils.train_eval_utils import Training, train_one_epoch
 from my_dataset import read_split_data
+from plumbing.checkpoint import restore, training_state
 from plumbing.config import Config
+from plumbing.plan import per_process_recipe
 from plumbing.recipe import build_optimizer
+from utils import UserError
 
 B = 4  # images per rank per step
 SIZE = 32  # in float64 the steps agree to 4e-13 at 32 px too (1e-14 at 64), at a quarter of the work
@@ -209,3 +212,59 @@ def test_accumulating_two_micro_batches_takes_the_step_of_one_batch_twice_as_lar
         # the logged loss is the mean over every image, as without accumulation
         expected = (whole["loss_1"] * 2 * B + whole["loss"] * (STEPS - 1) * 2 * B) / (STEPS * 2 * B)
         assert abs(accumulated["loss"] - expected) <= TOLERANCE, path
+
+
+# Resuming on another number of processes (plumbing/plan.py per_process_recipe): each process takes its share of
+# the same global batch at the scaled rate, so the resumed steps are the steps the run would have taken.
+def _resize_legs(rank, world_size, config: Config, legs: list[tuple]):
+    """The SyncBN network trained in this process of `world_size` on its rows of the global batches, once per leg
+    (checkpoint, result path): from its initial weights (checkpoint None), rank 0 saving the training state to
+    the checkpoint after the first step; or from the checkpoint, for the steps after the first. Rank 0 saves the
+    final weights to the result path."""
+    torch.set_default_dtype(torch.float64)
+    rows = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
+    batches = [(x[rows], y[rows]) for x, y in global_batches(STEPS)]
+    for checkpoint, result_path in legs:
+        model, bare = model_as_trained(5, sync_bn=True, distributed=world_size > 1)
+        training = Training(model, *build_optimizer(model, config, 1, world_size=world_size))
+        if checkpoint.exists():
+            restore(torch.load(checkpoint, weights_only=True), bare, training)
+        else:
+            train_one_epoch(training, batches[:1], "cpu", 0)
+            if rank == 0:
+                cpu = torch.device("cpu")
+                torch.save(training_state(0, bare, training, 0.0, [], world_size, {}, cpu), checkpoint)
+        train_one_epoch(training, batches[1:], "cpu", 1)
+        if rank == 0:
+            torch.save(snapshot(bare), result_path)
+
+
+def resized(world_size_then: int, batch_size: int, lr: float, world_size: int) -> Config:
+    """The configuration a run of `world_size_then` processes of batch_size and lr resumes with on `world_size`."""
+    saved = {"world_size": world_size_then}
+    return per_process_recipe(Config(batch_size=batch_size, lr=lr, **RECIPE), saved, world_size, None)[0]
+
+
+@pytest.mark.guarantee
+def test_a_run_resumed_on_another_number_of_processes_takes_the_steps_of_the_uninterrupted_run(tmp_path):
+    two, one = Config(batch_size=B, lr=LR, **RECIPE), Config(batch_size=2 * B, lr=2 * LR, **RECIPE)
+    assert resized(2, B, LR, 1) == one and resized(1, 2 * B, 2 * LR, 2) == two  # per process: 2B at 2 LR, B at LR
+    path = tmp_path.joinpath
+    # uninterrupted on 2, saving its first step; on 1 from scratch (saving its first step) and from the 2's step
+    spawn_world(_resize_legs, 2, two, [(path("two.pth"), path("two.pt"))])
+    spawn_world(
+        _resize_legs, 1, resized(2, B, LR, 1), [(path("one.pth"), path("one.pt")), (path("two.pth"), path("2to1.pt"))]
+    )
+    spawn_world(_resize_legs, 2, resized(1, 2 * B, 2 * LR, 2), [(path("one.pth"), path("1to2.pt"))])
+    uninterrupted = torch.load(path("two.pt"))
+    for name in ("one.pt", "2to1.pt", "1to2.pt"):
+        assert max_difference(torch.load(path(name)), uninterrupted) <= TOLERANCE, name
+    assert max_difference(uninterrupted, torch.load(path("two.pth"))["model"]) > 1e-3  # the later steps moved it
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("then, batch_size, now", [(2, 8, 3), (1, 1, 2), (4, 6, 16)])
+def test_a_global_batch_that_does_not_split_over_the_new_processes_is_refused_in_one_line(then, batch_size, now):
+    with pytest.raises(UserError, match=f"cannot be shared evenly by {now} processes"):
+        resized(then, batch_size, LR, now)
+    assert resized(then, batch_size, LR, then) == Config(batch_size=batch_size, lr=LR, **RECIPE)  # unchanged

@@ -8,6 +8,10 @@ FAULT=fsize:EPOCH:BYTES  from the start of epoch EPOCH, no file may grow beyond 
                          ENOSPC); needs no privileges
 FAULT=delete:EPOCH:STEP  rank 0 deletes the files listed in FAULT_FILES (os.pathsep between them) after STEP
                          steps of epoch EPOCH (0: before its first), as a cleaning job or a re-sync would
+FAULT=stop:EPOCH:STEP:SIGNAL  rank 0 sends SIGNAL (TERM, USR1) as it loads batch STEP of epoch EPOCH: to its
+                         launcher (torchrun, or the spawn script's first process), which passes it on to every
+                         rank, or to itself when it has none; then again to itself as it saves (a second signal
+                         while the step is being saved)
 
 Several faults: separated by commas (FAULT=delete:1:1,fsize:2:1000000).
 The scripts are untouched; this replaces multi_train_utils.train_eval_utils.train_one_epoch in the process before
@@ -17,6 +21,7 @@ they import it.
 import os
 
 if os.environ.get("FAULT"):
+    import multiprocessing
     import resource
     import signal
     import time
@@ -26,6 +31,7 @@ if os.environ.get("FAULT"):
     import torch.distributed as dist
 
     import multi_train_utils.train_eval_utils as training
+    import plumbing.run_log as run_log
 
     faults = [(kind, numbers) for kind, *numbers in (fault.split(":") for fault in os.environ["FAULT"].split(","))]
     real_train_one_epoch = training.train_one_epoch
@@ -51,6 +57,24 @@ if os.environ.get("FAULT"):
 
         return each
 
+    def stop_at(step: int, signum: int):
+        def each(done, batch):
+            if done == step:
+                launched = "LOCAL_RANK" in os.environ or multiprocessing.parent_process() is not None
+                os.kill(os.getppid() if launched else os.getpid(), signum)
+            return batch
+
+        return each
+
+    def signal_again_while_saving(signum: int) -> None:
+        real_save = run_log.save_atomically
+
+        def save(state, path):
+            os.kill(os.getpid(), signum)
+            real_save(state, path)
+
+        run_log.save_atomically = save
+
     def faulty_train_one_epoch(steps, data_loader, device, epoch, *how, **options):
         rank = dist.get_rank() if dist.is_initialized() else 0
         for kind, numbers in faults:
@@ -69,6 +93,10 @@ if os.environ.get("FAULT"):
             resource.setrlimit(resource.RLIMIT_FSIZE, (int(numbers[1]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         if kind == "delete" and epoch == int(numbers[0]) and rank == 0:
             data_loader = Batches(data_loader, delete_at(int(numbers[1])))
+        if kind == "stop" and epoch == int(numbers[0]) and rank == 0:
+            signum = signal.Signals[f"SIG{numbers[2]}"]
+            signal_again_while_saving(signum)
+            data_loader = Batches(data_loader, stop_at(int(numbers[1]), signum))
         return data_loader
 
     training.train_one_epoch = faulty_train_one_epoch

@@ -1,0 +1,74 @@
+"""Stopping at a step (plumbing/preemption.py): a stop signal (SIGTERM, SIGUSR1) ends a run at a training step
+every rank agrees on, saved with a second signal arriving while it is written, and the resumed run ends bitwise as
+the uninterrupted one: in one process, under torchrun and under the spawn script."""
+
+import signal
+
+import pytest
+import torch
+from conftest import (
+    DDP_FLAGS,
+    REFERENCE_FLAGS,
+    fault_env,
+    final_weights,
+    metrics_without_timings,
+    processes_with,
+    run_script,
+    torchrun,
+)
+
+from plumbing.checkpoint import load_checkpoint
+
+SCRIPTS = {
+    "one process": ("train_single_gpu.py", (), ()),
+    "torchrun": ("train_multi_gpu_using_launch.py", torchrun(2), ()),
+    "spawn": ("train_multi_gpu_using_spawn.py", (), ("--world-size", "2")),
+}
+
+
+def stop_and_resume(script: str, flags: tuple, out, fault: str) -> tuple:
+    """Run `script` with the stop fault (tests/fault_injection), then the same command with --auto-resume: (the
+    stopped run, its checkpoint, the resumed run)."""
+    name, launcher, script_flags = SCRIPTS[script]
+    flags = (*flags, *script_flags, "--output-dir", out)
+    env = fault_env(fault)
+    stopped = run_script(name, *flags, launcher=launcher, env=env, timeout=240)
+    assert not processes_with(env["RUN_MARKER"])  # every rank and loader exited
+    state = load_checkpoint(out / "checkpoint.pth")  # whole, though a second signal came while it was written
+    assert not list(out.glob(".*.tmp"))
+    resumed = run_script(name, *flags, "--auto-resume", launcher=launcher, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    return stopped, state, resumed
+
+
+@pytest.mark.guarantee
+def test_sigusr1_stops_one_process_at_a_step_and_the_resumed_run_ends_bitwise_as_the_uninterrupted_one(
+    tiny_data, tmp_path, reference_run
+):
+    flags = ("--data-path", tiny_data, *REFERENCE_FLAGS)  # 4 epochs of 6 steps, as the reference run
+    stopped, state, resumed = stop_and_resume("one process", flags, tmp_path / "run", "stop:1:2:USR1")
+    assert stopped.returncode == 128 + signal.SIGUSR1, stopped.stderr
+    assert "stopped by SIGUSR1 at epoch 1, step 3: saved in" in stopped.stdout  # the step after the signal's
+    assert state["epoch"] == 0 and state["midway"]["step"] == 3
+    assert "epoch 1, step 3 of 4" in resumed.stdout
+    expected, weights = final_weights(reference_run), final_weights(tmp_path / "run")
+    assert all(torch.equal(expected[k], weights[k]) for k in expected)
+    assert metrics_without_timings(tmp_path / "run") == metrics_without_timings(reference_run)
+
+
+@pytest.mark.parametrize("script, uninterrupted", [("torchrun", "torchrun_run"), ("spawn", "spawn_run")])
+def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_resumed_run_ends_bitwise(
+    tiny_data, tmp_path, script, uninterrupted, request
+):
+    # Rank 0 signals its launcher, which passes SIGTERM on to both ranks: they agree on a step and rank 0 saves it.
+    flags = ("--data-path", tiny_data, *DDP_FLAGS)  # 2 epochs of 3 steps, as the uninterrupted run
+    stopped, state, resumed = stop_and_resume(script, flags, tmp_path / "run", "stop:1:1:TERM")
+    assert stopped.returncode != 0
+    assert "stopped by SIGTERM at epoch 1, step" in stopped.stdout + stopped.stderr
+    assert state["epoch"] == 0 and 2 <= state["midway"]["step"] <= 3  # the signal reaches the ranks within a step
+    if script == "spawn":
+        assert stopped.returncode == 128 + signal.SIGTERM and "error:" not in stopped.stderr
+    reference = request.getfixturevalue(uninterrupted)[1]
+    expected, weights = final_weights(reference), final_weights(tmp_path / "run")
+    assert all(torch.equal(expected[k], weights[k]) for k in expected)
+    assert metrics_without_timings(tmp_path / "run") == metrics_without_timings(reference)
