@@ -231,6 +231,12 @@ def reduce_value(value: torch.Tensor, average: bool = True) -> torch.Tensor:
     return value
 
 
+def all_reduce_in_background(value: torch.Tensor):
+    """Start summing `value` in place over all processes and return at once: the handle (its wait() waits for the
+    sum; on a GPU with NCCL, only the device waits), or None in a single process, where there is nothing to sum."""
+    return dist.all_reduce(value, async_op=True) if get_world_size() > 1 else None
+
+
 def broadcast_object(obj):
     """Rank 0's value of a picklable object, on every rank."""
     if get_world_size() < 2:

@@ -1,6 +1,7 @@
 """One training epoch and one evaluation pass, the same for one process and for DDP."""
 
 import contextlib
+import math
 import sys
 from dataclasses import dataclass
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from multi_train_utils.distributed_utils import is_main_process, reduce_value
+from multi_train_utils.distributed_utils import all_reduce_in_background, is_main_process, reduce_value
 from my_dataset import SKIPPED
 from plumbing.checkpoint import set_rng_states
 from plumbing.compute import Compute
@@ -62,13 +63,18 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
     (plumbing/preemption.py), summed with them too, raises StopRequested on every rank after the same optimizer
     step. With `training.midway`, the epoch continues from that step (the loader must batch with a
     SeededBatchSampler, as shuffled_batches does).
+
+    The host never waits for the step it has just queued: each step's sums travel (all-reduce, copy to the host)
+    while the next step computes, and are checked then, one step behind (StepTotals). So a non-finite loss or one
+    unreadable image too many stops every rank during the step after it, before anything more is saved: the
+    checkpoint and weights files keep the last epoch's finite weights.
     """
     model, optimizer, compute, objective = training.model, training.optimizer, training.compute, training.objective
     device, first_lr, midway, training.midway = torch.device(device), training.epoch_lr(), training.midway, None
     model.train()
     start = 0 if midway is None else midway.step
-    # (sum of sample losses, samples, skipped), over every rank
-    totals = torch.tensor([0.0, 0, 0] if midway is None else midway.totals, dtype=torch.float64, device=device)
+    # (sum of sample losses, samples, skipped), over every rank: the steps checked so far
+    totals = [0.0, 0.0, 0.0] if midway is None else midway.totals
     if midway is not None:
         data_loader.batch_sampler.start_at(start)
     progress = tqdm(
@@ -79,10 +85,10 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
         set_rng_states(midway.rng)  # ... which the uninterrupted run drew before the step the checkpoint holds
     step_scaler = training.scaler or torch.amp.GradScaler(device.type, enabled=False)
     optimizer.zero_grad(set_to_none=True)
-    stopping = None
+    stopping, pending = None, None
     for step, (images, labels) in batches:
         last_of_group = (step + 1) % training.accumulate == 0 or step + 1 == len(data_loader)
-        read = int((labels != SKIPPED).sum())
+        read = int((labels != SKIPPED).sum())  # on the host: the loader's labels are still there
         images, labels = compute.batch_to(images, device), labels.to(device, non_blocking=device.type == "cuda")
         images, mixing = objective.mix(images, epoch, step)
         with synchronised(model, last_of_group):
@@ -93,20 +99,48 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
                 loss = loss_sum / read if read else outputs.sum() * 0.0
             step_scaler.scale(loss / group_size(training, step, len(data_loader))).backward()
 
-        # (sum of the step's sample losses, samples, skipped images, stop votes), over every rank
-        step_totals = [loss_sum.item(), read, len(labels) - read, *stop_votes()]
-        step_totals = reduce_value(torch.tensor(step_totals, dtype=torch.float64, device=device), average=False)
-        check_step(step_totals, totals, epoch, max_skipped)
-        totals += step_totals[:3]
-        stopping = stopping or agreed_signal(step_totals[3:].tolist())
+        sent = StepTotals(loss_sum, [read, len(labels) - read, *stop_votes()], device)
+        if pending is not None:  # the step before's sums, long arrived
+            stopping = check_step(pending.get(), totals, epoch, max_skipped) or stopping
+        pending = sent
+        last_step = step + 1 == len(data_loader)
+        if last_of_group and (stopping is not None or last_step):  # stopping, or the epoch's end: all checked
+            stopping = check_step(pending.get(), totals, epoch, max_skipped) or stopping
+            pending = None
         if last_of_group:
             optimizer_step(training, step_scaler)
             if stopping is not None:
                 progress.close()
-                raise StopRequested(stopping, epoch, step + 1, totals.tolist(), first_lr)
-        progress.set_postfix(mean_loss=f"{(totals[0] / totals[1].clamp(min=1)).item():.3f}")
-    total_loss, total_images, _ = totals.tolist()
+                raise StopRequested(stopping, epoch, step + 1, totals, first_lr)
+        progress.set_postfix(mean_loss=f"{totals[0] / max(totals[1], 1):.3f}")  # as of the step checked last
+    total_loss, total_images, _ = totals
     return total_loss / max(total_images, 1), int(total_images)
+
+
+class StepTotals:
+    """A step's (sum of sample losses, images read, images skipped, stop votes), summed over the ranks on their
+    way to the host: the all-reduce and, on a GPU, the copy to pinned host memory are queued behind the step's
+    work, and `get` waits for them alone (a step later, when they have long arrived), never for the work queued
+    after them."""
+
+    def __init__(self, loss_sum: torch.Tensor, counts: list, device: torch.device):
+        counts = torch.tensor(counts, dtype=torch.float64).to(device, non_blocking=True)
+        self.values = torch.cat([loss_sum.detach().double().reshape(1), counts])
+        self.work = all_reduce_in_background(self.values)
+        self.ready = None
+        if device.type == "cuda":
+            if self.work is not None:
+                self.work.wait()  # on a GPU: the copy below waits for the all-reduce on the device, not the host
+            self.values = self.values.to("cpu", non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def get(self) -> list[float]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        elif self.work is not None:
+            self.work.wait()
+        return self.values.tolist()
 
 
 def group_size(training: Training, step: int, batches: int) -> int:
@@ -115,17 +149,20 @@ def group_size(training: Training, step: int, batches: int) -> int:
     return min(training.accumulate, batches - step // training.accumulate * training.accumulate)
 
 
-def check_step(step_totals: torch.Tensor, totals: torch.Tensor, epoch: int, max_skipped) -> None:
-    """Stop every rank (all see the same summed `step_totals`) on a non-finite loss, before the optimizer step, so
-    the weights stay finite, or once the skipped images pass `max_skipped`."""
-    if not torch.isfinite(step_totals[0]):
+def check_step(step_totals: list[float], totals: list[float], epoch: int, max_skipped) -> int | None:
+    """Add a step's summed `step_totals` (StepTotals.get) to the epoch's `totals`; returns the stop signal the
+    ranks agreed on, if any. Stops every rank (all see the same sums) on a non-finite loss or once the skipped
+    images pass `max_skipped`."""
+    if not math.isfinite(step_totals[0]):
         raise NonFiniteLossError(
             f"non-finite loss at epoch {epoch}: stopped; lower --lr or check the data "
             "(the last checkpoint is from before this epoch)"
         )
-    skipped = int(totals[2] + step_totals[2])
-    if max_skipped is not None and skipped > max_skipped:
-        raise UserError(too_many_skipped(skipped, max_skipped, f"epoch {epoch}'s training images"))
+    for i in range(3):
+        totals[i] += step_totals[i]
+    if max_skipped is not None and totals[2] > max_skipped:
+        raise UserError(too_many_skipped(int(totals[2]), max_skipped, f"epoch {epoch}'s training images"))
+    return agreed_signal(step_totals[3:])
 
 
 def optimizer_step(training: Training, step_scaler: torch.amp.GradScaler) -> None:

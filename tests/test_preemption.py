@@ -48,9 +48,10 @@ def test_sigusr1_stops_one_process_at_a_step_and_the_resumed_run_ends_bitwise_as
     flags = ("--data-path", tiny_data, *REFERENCE_FLAGS)  # 4 epochs of 6 steps, as the reference run
     stopped, state, resumed = stop_and_resume("one process", flags, tmp_path / "run", "stop:1:2:USR1")
     assert stopped.returncode == 128 + signal.SIGUSR1, stopped.stderr
-    assert "stopped by SIGUSR1 at epoch 1, step 3: saved in" in stopped.stdout  # the step after the signal's
-    assert state["epoch"] == 0 and state["midway"]["step"] == 3
-    assert "epoch 1, step 3 of 4" in resumed.stdout
+    # the signal comes as batch 2 loads; train_one_epoch reads a step's sums during the next step: 3 is the last
+    assert "stopped by SIGUSR1 at epoch 1, step 4: saved in" in stopped.stdout
+    assert state["epoch"] == 0 and state["midway"]["step"] == 4
+    assert "epoch 1, step 4 of 4" in resumed.stdout
     expected, weights = final_weights(reference_run), final_weights(tmp_path / "run")
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
     assert metrics_without_timings(tmp_path / "run") == metrics_without_timings(reference_run)
