@@ -4,8 +4,10 @@ Each agent is started exactly as on a real node (`--nnodes=2 --rdzv-backend=c10d
 one process each; the job must train the same weights as one torchrun with two processes on one machine.
 """
 
+import json
 import os
 import subprocess
+import time
 import uuid
 
 import pytest
@@ -15,6 +17,7 @@ from conftest import (
     fault_env,
     final_weights,
     metrics_without_timings,
+    processes_with,
     run_nodes,
     script_command,
 )
@@ -90,3 +93,23 @@ def test_a_process_killed_on_one_node_restarts_both_and_the_run_completes(tiny_d
     assert "failed (exitcode" not in outputs[0]  # node 0's stopped its process for the new rendezvous: no failure
     assert sum("Resuming from" in output for output in outputs) == 1  # the new rank 0, on either node
     assert [(m["epoch"], m["world_size"]) for m in metrics_without_timings(out)] == [(0, 2), (1, 2)]
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback_and_every_node_stops_promptly(tiny_data, tmp_path):
+    # Rank 1 raises at the start of epoch 0, with the default --dist-timeout (1800 s): its peer learns it from
+    # the closed connection, the other node's torchrun from the rendezvous; neither waits for the timeout.
+    out, logs = tmp_path / "run", [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    job, env = job_flags("--log-dir", tmp_path / "torchrun"), fault_env("raise:1:0")
+    args = ("--data-path", tiny_data, "--output-dir", out, *DDP_FLAGS)
+    outputs = run_nodes(lambda rank, log: start_node(job, rank, log, *args, env=env), logs, TIMEOUT, check=False)
+    ended = time.time()
+    # The error file of the rank that raised (@record): the exception, the traceback, the time it was raised.
+    errors = [json.loads(path.read_text())["message"] for path in (tmp_path / "torchrun").rglob("error.json")]
+    raised = [error for error in errors if "injected failure on rank 1 at epoch 0" in error["message"]]
+    assert len(raised) == 1 and 'raise RuntimeError(f"injected failure' in raised[0]["extraInfo"]["py_callstack"]
+    # torchrun's summary, on the failing rank's node, names the rank and shows the exception.
+    summary = next(output for output in outputs if "rank      : 1 (local_rank: 0)" in output)
+    assert "train_multi_gpu_using_launch.py FAILED" in summary and "error_file: <N/A>" not in summary
+    assert "RuntimeError: injected failure on rank 1 at epoch 0" in summary.split("Root Cause")[1]
+    assert ended - int(raised[0]["extraInfo"]["timestamp"]) < 60  # measured 7 s (contended 2 cores); timeout 1800
+    assert not processes_with(env["RUN_MARKER"])
