@@ -12,6 +12,7 @@ plain `python`, the script trains in one process.
 import time
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -40,6 +41,7 @@ from plumbing.run_log import RunLog, announce, best_so_far, epoch_metrics
 from utils import entry_point
 
 
+@record  # DDP: a crash's traceback goes to torchrun's error file, and torchrun's summary names the process's rank
 @entry_point
 def main(argv=None):
     config = parse_config("train_multi_gpu_using_launch", __doc__.splitlines()[0], argv)

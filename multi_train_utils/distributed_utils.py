@@ -8,6 +8,8 @@ without asking which launch mode it runs under.
 import os
 import socket
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -158,25 +160,55 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+START = "flowers/start"  # the key, in torchrun's store, that names the latest start of the job's processes
+
+
 def restart_safe_store(dist_url: str, process: Process, timeout: timedelta):
-    """Under torchrun, the key-value store where the processes meet, with a namespace for each restart.
+    """Under torchrun, the key-value store where the processes meet: torchrun's own, in a namespace of this start's.
 
     torchrun keeps one store for all restarts of a job; without a namespace of their own, restarted processes
     can read the addresses their dead predecessors published there and wait for them until the timeout (seen
-    with torch 2.14: about half of the restarts hung). None elsewhere: init_process_group builds its own.
+    with torch 2.14: about half of the restarts hung). TORCHELASTIC_RESTART_COUNT cannot name the start on
+    several machines: each machine's torchrun counts its own restarts, and one whose processes restart only
+    because another machine's failed counts none. So rank 0 names each start (name_start) and the other ranks
+    take the name from it (join_start). None where torchrun gives each start a store of its own (with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a new MASTER_PORT) or without torchrun: init_process_group builds one.
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or dist_url != "env://":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist_url != "env://":
         return None
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        process.world_size,
-        is_master=process.rank == 0 and not agent_hosts_store,
-        timeout=timeout,
-    )
-    return dist.PrefixStore(f"attempt-{attempt}", store)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, process.world_size, is_master=False, timeout=timeout)
+    name = name_start(store, process.world_size) if process.rank == 0 else join_start(store, process.rank, timeout)
+    return dist.PrefixStore(f"{START}/{name}", store)
+
+
+def name_start(store, world_size: int) -> str:
+    """Rank 0: a new name for this start, published in the store. Returns once every other rank has asked for it
+    (with a question of its own) and has been answered, so that no rank goes on under an older start's name."""
+    name = uuid.uuid4().hex
+    store.set(START, name)
+    for rank in range(1, world_size):
+        question = store.get(f"{START}/{name}/question/{rank}").decode()  # waits for that rank to ask
+        store.set(f"{START}/{name}/answer/{rank}/{question}", "yes")
+    return name
+
+
+def join_start(store, rank: int, timeout: timedelta) -> str:
+    """Any other rank: the name that rank 0 gave this start. The name in the store may be an earlier start's,
+    whose rank 0 is dead: a question asked under it gets no answer, and the rank asks again under the next name
+    rank 0 publishes. The store is polled (check never blocks), less often the longer rank 0 takes."""
+    question, asked, pause = uuid.uuid4().hex, None, 0.01
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        name = store.get(START).decode()  # waits for the first start's rank 0; later, an earlier name is there
+        if name != asked:
+            store.set(f"{START}/{name}/question/{rank}", question)
+            asked = name
+        if store.check([f"{START}/{name}/answer/{rank}/{question}"]):
+            return name
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
+    raise TimeoutError(f"rank {rank}: rank 0 did not start within --dist-timeout ({timeout.total_seconds():.0f} s)")
 
 
 def resolve_device(name: str | None, local_rank: int | None = None) -> torch.device:

@@ -58,10 +58,10 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def run_nodes(start, logs: list[Path], timeout: float) -> list[str]:
+def run_nodes(start, logs: list[Path], timeout: float, check: bool = True) -> list[str]:
     """Start one process per log file, start(rank, log_file), as the nodes of one job, and wait for all of them
     (within `timeout` seconds); any still running on the way out is stopped. Fails the test unless every one
-    exited 0; returns each one's output."""
+    exited 0 (with check=False: unless every one exited); returns each one's output."""
     deadline = time.monotonic() + timeout
     nodes = []
     try:
@@ -82,7 +82,7 @@ def run_nodes(start, logs: list[Path], timeout: float) -> list[str]:
                 node.wait()
     outputs = [log.read_text() for log in logs]
     for node, output in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, output
+        assert node.returncode == 0 or not check and node.returncode > 0, output  # < 0: stopped here, by a signal
     return outputs
 
 

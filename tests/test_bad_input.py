@@ -101,3 +101,14 @@ def test_spawn_refuses_more_processes_than_visible_gpus(tiny_data, monkeypatch, 
         train_multi_gpu_using_spawn.main(["--data-path", str(tiny_data), "--device", "cuda", "--world-size", "2"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == "error: --world-size 2 but only 1 GPUs are visible (one process per GPU)"
+
+
+@pytest.mark.fast
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record's, here where capsys holds stderr
+def test_under_torchrun_a_user_error_is_still_one_line_and_writes_no_error_file(tmp_path, run_main, monkeypatch):
+    # The launch script's main is also torchrun's @record: bad input stays one line and exit status 2, and leaves
+    # torchrun's error file (for crashes, with their traceback) unwritten.
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    result = run_main("train_multi_gpu_using_launch.py", "--data-path", tmp_path / "missing")
+    assert_user_error(result, f"data path {tmp_path / 'missing'} does not exist")
+    assert not (tmp_path / "error.json").exists()

@@ -1,8 +1,14 @@
-"""How a process learns its place in the group from torchrun's or SLURM's environment variables."""
+"""How a process learns its place in the group from torchrun's or SLURM's environment variables, and how the
+processes of one start of a torchrun job find each other in torchrun's store."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
-from multi_train_utils.distributed_utils import launcher_environment
+from multi_train_utils.distributed_utils import join_start, launcher_environment, name_start
 from utils import UserError
 
 pytestmark = pytest.mark.fast  # no script started, no training run
@@ -45,3 +51,24 @@ def test_slurm_without_a_master_address_is_a_user_error(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "0")
     with pytest.raises(UserError, match="MASTER_ADDR"):
         launcher_environment()
+
+
+def test_the_ranks_of_a_restart_agree_on_its_name_though_the_store_still_holds_the_last_starts():
+    # torchrun's store outlives the processes: the second start's ranks 1 and 2 come up before its rank 0, and
+    # find the first start's name (and the answers its rank 0 gave), whose rank 0 is dead.
+    timeout = timedelta(seconds=30)
+    server = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timeout, wait_for_workers=False)
+
+    def client():
+        return dist.TCPStore("127.0.0.1", server.port, None, is_master=False, timeout=timeout)
+
+    with ThreadPoolExecutor(2) as others:
+        first = [others.submit(join_start, client(), rank, timeout) for rank in (1, 2)]
+        first_name = name_start(client(), world_size=3)
+        assert [future.result() for future in first] == [first_name, first_name]
+
+        second = [others.submit(join_start, client(), rank, timeout) for rank in (1, 2)]
+        time.sleep(0.5)  # they ask under the first start's name, which nobody answers now
+        assert not any(future.done() for future in second)
+        second_name = name_start(client(), world_size=3)
+        assert [future.result() for future in second] == [second_name, second_name] != [first_name, first_name]

@@ -130,7 +130,10 @@ def test_the_sbatch_script_starts_one_torchrun_per_node_meeting_on_the_first_nod
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=gpu07:{20000 + 4321}",
         "--rdzv-id=4321",
+        "--log-dir=logs/slurm-4321",  # each training process's stdout.log, stderr.log and error.json...
+        "--tee=3",  # ...and every line in the job's log too
     }
+    assert "--label" in args[: launcher - 1]  # srun: each line of the job's log names its machine
     after = args[script + 1 :]
     assert "--auto-resume" in after and after[after.index("--output-dir") + 1] == "runs/slurm-4321"
     assert after[-4:] == ["--data-path", "/shared/flowers", "--epochs", "5"]

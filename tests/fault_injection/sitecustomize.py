@@ -3,6 +3,12 @@
 FAULT=raise:RANK:EPOCH   rank RANK raises at the start of epoch EPOCH
 FAULT=nan:EPOCH          every rank's images of epoch EPOCH become NaN (a non-finite loss)
 FAULT=slow               each training step sleeps 0.2 s (to kill a run in the middle of an epoch)
+FAULT=kill:EPOCH         the process kills itself (SIGKILL, as the OOM killer would) at the start of epoch EPOCH,
+                         only while its torchrun has not restarted (TORCHELASTIC_RESTART_COUNT 0): given to one
+                         node's torchrun alone, it kills that node's process once
+FAULT=pause:EPOCH:SECONDS  the process sleeps SECONDS at the start of epoch EPOCH, away from any collective, as one
+                         busy in a long step would be: a peer that dies meanwhile reaches it through its torchrun
+                         (which stops it), not through a broken connection
 FAULT=fsize:EPOCH:BYTES  from the start of epoch EPOCH, no file may grow beyond BYTES (RLIMIT_FSIZE, the kernel's
                          own limit: writes fail with EFBIG, "File too large", as on a full disk they fail with
                          ENOSPC); needs no privileges
@@ -84,6 +90,10 @@ if os.environ.get("FAULT"):
     def inject(kind, numbers, data_loader, rank, epoch):
         if kind == "raise" and [rank, epoch] == [int(n) for n in numbers]:
             raise RuntimeError(f"injected failure on rank {rank} at epoch {epoch}")
+        if kind == "kill" and epoch == int(numbers[0]) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "pause" and epoch == int(numbers[0]):
+            time.sleep(float(numbers[1]))
         if kind == "nan" and epoch == int(numbers[0]):
             data_loader = [(images * torch.nan, labels) for images, labels in data_loader]
         if kind == "slow":
