@@ -6,6 +6,7 @@ No SLURM is needed: the tests set the variables srun would set, and stand in for
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -137,3 +138,31 @@ def test_the_sbatch_script_starts_one_torchrun_per_node_meeting_on_the_first_nod
     after = args[script + 1 :]
     assert "--auto-resume" in after and after[after.index("--output-dir") + 1] == "runs/slurm-4321"
     assert after[-4:] == ["--data-path", "/shared/flowers", "--epochs", "5"]
+
+
+def test_near_the_time_limit_the_sbatch_script_stops_the_training_at_a_step_before_it_requeues(tmp_path):
+    # srun and scontrol stand-ins that write what happens to them into one log, in order
+    bin_dir, log = tmp_path / "bin", tmp_path / "events"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        f'#!/bin/bash\ntrap \'echo "srun: SIGTERM" >> {log}; exit 143\' TERM\necho "srun: started" >> {log}\n'
+        "while true; do sleep 0.1; done\n"
+    )
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "gpu07\\n" || echo "scontrol: $*" >> {log}\n'
+    )
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    job = {"SLURM_JOB_ID": "4321", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "gpu07"}
+    env = {**os.environ, **job, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    sbatch = subprocess.Popen(["bash", SBATCH], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and "srun: started" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        sbatch.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends
+        output = sbatch.communicate(timeout=30)[0]
+    finally:
+        sbatch.kill()
+    assert "stopping at a step" in output
+    assert log.read_text().splitlines() == ["srun: started", "srun: SIGTERM", "scontrol: requeue 4321"]
