@@ -17,6 +17,7 @@ from my_dataset import DataSplit, read_split_data, split_fingerprint
 from plumbing.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from plumbing.config import Config
 from plumbing.demo_data import DEMO_DATA_PATH, make_demo_data
+from plumbing.image_check import ImageCheck
 from utils import UserError, check_writable, describe
 
 
@@ -38,9 +39,9 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     returns the configuration to train with (`config`, or for a run resumed on another number of processes, its
     per-process batch and rate: per_process_recipe) and the Plan.
 
-    Makes the demo data, splits the dataset (checking every image can be read), finds the weights file, decides
-    whether the run resumes (on the same split) and where it writes, and holds that folder for the process that
-    writes there; raises UserError for bad input or a folder another live run holds.
+    Makes the demo data, splits the dataset (checking every image can be read, once per run: ImageCheck), finds
+    the weights file, decides whether the run resumes (on the same split) and where it writes, and holds that
+    folder for the process that writes there; raises UserError for bad input or a folder another live run holds.
     """
     check_backend(config.dist_backend)  # nccl where this torch has none (Windows, macOS): said before any worker
     data_path = config.data_path or (DEMO_DATA_PATH if config.demo else None)
@@ -48,7 +49,11 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
         raise UserError("no data: give --data-path FOLDER (one sub-folder per class) or --demo")
     if config.demo:
         make_demo_data(data_path)
-    split = read_split_data(data_path, config.val_rate, config.seed, verify_images=True)
+    folder = config.output_dir or (config.resume.parent if config.resume else None)  # the run's, if named already
+    check = ImageCheck(data_path, folder, shared=launcher_environment() is not None and world_size > 1)
+    if check.shared:  # under torchrun every rank prepares: they share the image check
+        check_writable(folder)  # the ranks meet there (a lock), before any of them writes the run's files
+    split = read_split_data(data_path, config.val_rate, config.seed, verify_images=check)
     resume, output_dir, saved = resume_and_output(config, split, Path(data_path), world_size)
     config, given = per_process_recipe(config, saved, world_size, resume)
     check_split(config, split, data_path, world_size)
@@ -64,6 +69,8 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
         raise UserError(
             f"{output_dir} already holds a run: continue it with --auto-resume, or choose another --output-dir"
         )
+    if first_rank():
+        check.save(output_dir)  # the images' verdicts, for the next start of this run (a restart, a resume)
     return config, Plan(Path(data_path), split, output_dir, weights, resume, given)
 
 

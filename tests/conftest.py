@@ -179,13 +179,15 @@ def trained_run(learnable_data, shared_tmp):
 
 @pytest.fixture(scope="session")
 def torchrun_run(tiny_data, shared_tmp):
-    """torchrun with 2 processes on tiny_data (DDP_FLAGS): the finished process and its run folder."""
+    """torchrun with 2 processes on tiny_data (DDP_FLAGS): the finished process and its run folder. Each image
+    its start-up check decoded is logged in decodes/ beside the run folder (DECODE_LOG: one file per process)."""
 
     def make(folder):
-        out = folder / "run"
+        out, decodes = folder / "run", folder / "decodes"
+        decodes.mkdir(parents=True)
         result = run_script(
             "train_multi_gpu_using_launch.py", "--data-path", tiny_data, "--output-dir", out, *DDP_FLAGS,
-            launcher=torchrun(2),
+            launcher=torchrun(2), env=fault_env() | {"DECODE_LOG": str(decodes)},
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         return result, out

@@ -20,11 +20,13 @@ FAULT=stop:EPOCH:STEP:SIGNAL  rank 0 sends SIGNAL (TERM, USR1) as it loads batch
                          while the step is being saved)
 
 Several faults: separated by commas (FAULT=delete:1:1,fsize:2:1000000).
+DECODE_LOG=FOLDER        no fault: each image the start-up check decodes is logged (see the end of this file)
 The scripts are untouched; this replaces multi_train_utils.train_eval_utils.train_one_epoch in the process before
 they import it.
 """
 
 import os
+import sys
 
 if os.environ.get("FAULT"):
     import multiprocessing
@@ -110,3 +112,17 @@ if os.environ.get("FAULT"):
         return data_loader
 
     training.train_one_epoch = faulty_train_one_epoch
+
+if os.environ.get("DECODE_LOG") and sys.argv[0].endswith(".py"):
+    # DECODE_LOG=FOLDER: every script process (torchrun's workers, not torchrun itself) appends to FOLDER/<pid>.log
+    # the path of each image its start-up check decodes (my_dataset.image_problem), one a line.
+    import my_dataset
+
+    real_image_problem = my_dataset.image_problem
+
+    def logged_image_problem(path):
+        with open(os.path.join(os.environ["DECODE_LOG"], f"{os.getpid()}.log"), "a") as log:
+            log.write(f"{path}\n")
+        return real_image_problem(path)
+
+    my_dataset.image_problem = logged_image_problem

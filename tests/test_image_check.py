@@ -1,0 +1,131 @@
+"""The start-up image check (plumbing/image_check.py): once per run under torchrun, and not repeated by a restart
+or resume for images that have not changed."""
+
+import json
+import os
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import my_dataset
+from my_dataset import list_images, read_split_data
+from plumbing.config import SINGLE, parse_config
+from plumbing.image_check import CHECKED_IMAGES, ImageCheck
+from plumbing.plan import prepare
+from utils import UserError
+
+
+def make_images(root, classes=("a", "b", "c"), per_class=4):
+    """Small JPEGs, each different."""
+    rng = np.random.default_rng(0)
+    for name in classes:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / name / f"{i}.jpg")
+    return root
+
+
+@pytest.fixture
+def decoded(monkeypatch):
+    """The images my_dataset.image_problem is asked about, in order (from any thread)."""
+    asked, real = [], my_dataset.image_problem
+    monkeypatch.setattr(my_dataset, "image_problem", lambda path: asked.append(path) or real(path))
+    return asked
+
+
+@pytest.mark.fast
+def test_a_second_check_decodes_only_new_and_changed_images(tmp_path, decoded):
+    data, run = make_images(tmp_path / "data"), tmp_path / "run"
+
+    def check():
+        decoded.clear()
+        image_check = ImageCheck(data, run)
+        split = read_split_data(data, verify_images=image_check)
+        image_check.save(run)
+        return split
+
+    first = check()
+    assert len(decoded) == 12 and first.unreadable == []
+    assert check() == first and decoded == []  # nothing changed: nothing decoded, the same split
+
+    changed = data / "a" / "0.jpg"
+    Image.new("RGB", (20, 20), "red").save(changed)  # another image under the same name
+    (data / "b" / "broken.jpg").write_bytes(changed.read_bytes()[:100])  # a corrupt image, added
+    third = check()
+    assert sorted(decoded) == sorted([changed, data / "b" / "broken.jpg"])
+    assert third.unreadable == [str(data / "b" / "broken.jpg")]
+
+    os.utime(changed, ns=(0, 10**18))  # the same bytes, touched: checked again (its key is size and time)
+    (data / "c" / "3.jpg").unlink()
+    fourth = check()
+    assert decoded == [changed] and third.unreadable == fourth.unreadable
+    assert str(data / "c" / "3.jpg") not in fourth.train_images + fourth.val_images
+    remembered = json.loads((run / CHECKED_IMAGES).read_text())["images"]
+    assert sorted(remembered) == sorted(f"{p.parent.name}/{p.name}" for c in "abc" for p in list_images(data / c))
+    assert remembered["b/broken.jpg"][2].startswith(("OSError", "UnidentifiedImageError", "SyntaxError"))
+
+
+@pytest.mark.fast
+def test_a_record_that_cannot_be_read_or_a_vanished_image_costs_a_decode_not_a_wrong_verdict(tmp_path, decoded):
+    data, run = make_images(tmp_path / "data", classes=("a",)), tmp_path / "run"
+    run.mkdir()
+    (run / CHECKED_IMAGES).write_text('{"format": 1, "images": {"a/0.jpg": [1, 2, nu')  # cut short
+    images = list_images(data / "a")
+    images[1].unlink()  # deleted between listing and checking
+    assert ImageCheck(data, run)(images) == [images[1]]  # reported, as decoding it would have
+    assert len(decoded) == 3
+
+
+@pytest.mark.fast
+def test_ranks_checking_at_once_decode_each_image_once_and_each_report_the_unreadable(tmp_path, decoded, monkeypatch):
+    """What torchrun's ranks do before their process group exists (in threads here: the lock is the operating
+    system's, per open file, so it keeps two threads apart as it keeps two processes)."""
+    data, run = make_images(tmp_path / "data"), tmp_path / "run"
+    (data / "c" / "broken.jpg").write_text("not an image")
+    slow = my_dataset.image_problem
+    monkeypatch.setattr(my_dataset, "image_problem", lambda path: threading.Event().wait(0.01) or slow(path))
+    start, found = threading.Barrier(3), []
+
+    def rank():
+        start.wait()
+        found.append(read_split_data(data, verify_images=ImageCheck(data, run, shared=True)).unreadable)
+
+    ranks = [threading.Thread(target=rank) for _ in range(3)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join()
+    assert Counter(decoded) == Counter(list_images(data / "a") + list_images(data / "b") + list_images(data / "c"))
+    assert found == [[str(data / "c" / "broken.jpg")]] * 3
+
+
+@pytest.mark.fast
+def test_a_restarted_run_decodes_nothing_and_reports_a_corrupt_image_added_since(tmp_path, decoded):
+    data, run = make_images(tmp_path / "data", per_class=8), tmp_path / "run"
+    flags = ["--data-path", data, "--output-dir", run, "--batch-size", "2", "--auto-resume"]
+
+    def start(*more):
+        decoded.clear()
+        return prepare(parse_config(SINGLE, "", [str(flag) for flag in [*flags, *more]]), world_size=1)
+
+    first = start()
+    assert len(decoded) == 24 and (run / CHECKED_IMAGES).exists()
+    assert start().split == first.split and decoded == []  # a restart (before its first checkpoint)
+    (data / "b" / "cut.jpg").write_bytes((data / "b" / "0.jpg").read_bytes()[:50])
+    assert start().split.unreadable == [str(data / "b" / "cut.jpg")] and decoded == [data / "b" / "cut.jpg"]
+    with pytest.raises(UserError, match=r"1 unreadable image\(s\) \(--strict-images\): .*cut\.jpg"):
+        start("--strict-images")
+    assert decoded == []  # its verdict was remembered
+
+
+def test_under_torchrun_each_image_is_decoded_once_per_run(torchrun_run, tiny_data):
+    result, out = torchrun_run  # 2 processes, each logging the images it decoded (DECODE_LOG)
+    logs = sorted((out.parent / "decodes").glob("*.log"))
+    decoded = Counter(line for log in logs for line in log.read_text().splitlines())
+    images = [str(image) for folder in sorted(tiny_data.iterdir()) for image in list_images(folder)]
+    assert len(images) == 60 and decoded == Counter(images), result.stdout
+    assert len(logs) == 1  # one process decoded them all; the other found its verdicts
+    assert len(json.loads((out / CHECKED_IMAGES).read_text())["images"]) == 60
