@@ -46,8 +46,9 @@ class ImageCheck:
         self.unsaved = False
         self.decoded = 0  # images decoded by this process (the rest had a verdict)
 
-    def __call__(self, images: list[Path]) -> list[Path]:
-        now = {my_dataset.relative_posix(path, self.root): (path, file_key(path)) for path in images}
+    def __call__(self, images: list[str]) -> list[str]:
+        names = my_dataset.relative_posix(images, self.root)
+        now = {name: (path, file_key(path)) for name, path in zip(names, images, strict=True)}
         self.verdicts = read_verdicts(self.folder)
         stale = self.stale(now)
         if stale and self.shared:

@@ -2,6 +2,7 @@
 
 python tools/benchmark.py                       # 224 px, batch 16, generated 320x240 JPEGs
 python tools/benchmark.py --data-path flower_photos --img-size 224 --batch-size 32 --nprocs 4
+python tools/benchmark.py --startup-sizes 1000,10000,100000   # start-up alone (tools/startup_benchmark.py)
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python tools/benchmark.py    # an AVX-512 CPU computing as an AVX2 one
 
 Rows, each a fresh process (or group of processes) so that no row inherits another's warm caches or memory:
@@ -61,6 +62,7 @@ from plumbing.demo_data import make_demo_data  # noqa: E402
 from plumbing.machine import core_budget, describe_cpu  # noqa: E402
 from plumbing.recipe import build_optimizer  # noqa: E402
 from plumbing.run_log import peak_memory  # noqa: E402
+from tools.startup_benchmark import image_counts, startup_benchmark  # noqa: E402
 from utils import Parser, UserError, entry_point, number, write_json  # noqa: E402
 
 FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
@@ -98,6 +100,12 @@ def parse_args(argv=None):
     p.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
     p.add_argument("--output-dir", type=Path, default=Path("benchmark"), help="where results and runs go")
     p.add_argument("--skip-ddp", action="store_true", help="measure the single-process rows only")
+    p.add_argument(
+        "--startup-sizes",
+        type=image_counts,
+        help="measure start-up alone instead: seconds to the first training step, cold and warm, on generated "
+        "folders of these many images (e.g. 1000,10000,100000); see tools/startup_benchmark.py",
+    )
     return p.parse_args(argv)
 
 
@@ -433,6 +441,8 @@ def main(argv=None):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {args.device} asked for a GPU but none is visible; use --device cpu")
+    if args.startup_sizes:
+        return startup_benchmark(args.startup_sizes, args.output_dir, args.device)
     nprocs = args.nprocs or (torch.cuda.device_count() if args.device.startswith("cuda") else 2)
     if args.data_path is None:
         width, height = FLOWER_PHOTOS_SIZE

@@ -1,10 +1,13 @@
-"""The start-up image check (plumbing/image_check.py): once per run under torchrun, and not repeated by a restart
-or resume for images that have not changed."""
+"""Start-up: the image check (plumbing/image_check.py), once per run under torchrun and not repeated by a restart
+or resume for images that have not changed; and the start-up benchmark's parts (tools/startup_benchmark.py)."""
 
+import argparse
 import json
 import os
+import sys
 import threading
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from my_dataset import list_images, read_split_data
 from plumbing.config import SINGLE, parse_config
 from plumbing.image_check import CHECKED_IMAGES, ImageCheck
 from plumbing.plan import prepare
+from tools.startup_benchmark import image_counts, seconds_to_first_step, small_images, startup_parts, startup_table
 from utils import UserError
 
 
@@ -51,17 +55,16 @@ def test_a_second_check_decodes_only_new_and_changed_images(tmp_path, decoded):
     assert len(decoded) == 12 and first.unreadable == []
     assert check() == first and decoded == []  # nothing changed: nothing decoded, the same split
 
-    changed = data / "a" / "0.jpg"
+    changed, broken = data / "a" / "0.jpg", str(data / "b" / "broken.jpg")
     Image.new("RGB", (20, 20), "red").save(changed)  # another image under the same name
-    (data / "b" / "broken.jpg").write_bytes(changed.read_bytes()[:100])  # a corrupt image, added
+    Path(broken).write_bytes(changed.read_bytes()[:100])  # a corrupt image, added
     third = check()
-    assert sorted(decoded) == sorted([changed, data / "b" / "broken.jpg"])
-    assert third.unreadable == [str(data / "b" / "broken.jpg")]
+    assert sorted(decoded) == sorted([str(changed), broken]) and third.unreadable == [broken]
 
     os.utime(changed, ns=(0, 10**18))  # the same bytes, touched: checked again (its key is size and time)
     (data / "c" / "3.jpg").unlink()
     fourth = check()
-    assert decoded == [changed] and third.unreadable == fourth.unreadable
+    assert decoded == [str(changed)] and third.unreadable == fourth.unreadable
     assert str(data / "c" / "3.jpg") not in fourth.train_images + fourth.val_images
     remembered = json.loads((run / CHECKED_IMAGES).read_text())["images"]
     assert sorted(remembered) == sorted(f"{p.parent.name}/{p.name}" for c in "abc" for p in list_images(data / c))
@@ -73,8 +76,8 @@ def test_a_record_that_cannot_be_read_or_a_vanished_image_costs_a_decode_not_a_w
     data, run = make_images(tmp_path / "data", classes=("a",)), tmp_path / "run"
     run.mkdir()
     (run / CHECKED_IMAGES).write_text('{"format": 1, "images": {"a/0.jpg": [1, 2, nu')  # cut short
-    images = list_images(data / "a")
-    images[1].unlink()  # deleted between listing and checking
+    images = [str(image) for image in list_images(data / "a")]
+    os.unlink(images[1])  # deleted between listing and checking
     assert ImageCheck(data, run)(images) == [images[1]]  # reported, as decoding it would have
     assert len(decoded) == 3
 
@@ -98,7 +101,7 @@ def test_ranks_checking_at_once_decode_each_image_once_and_each_report_the_unrea
         thread.start()
     for thread in ranks:
         thread.join()
-    assert Counter(decoded) == Counter(list_images(data / "a") + list_images(data / "b") + list_images(data / "c"))
+    assert Counter(decoded) == Counter(str(image) for c in "abc" for image in list_images(data / c))
     assert found == [[str(data / "c" / "broken.jpg")]] * 3
 
 
@@ -115,7 +118,7 @@ def test_a_restarted_run_decodes_nothing_and_reports_a_corrupt_image_added_since
     assert len(decoded) == 24 and (run / CHECKED_IMAGES).exists()
     assert start().split == first.split and decoded == []  # a restart (before its first checkpoint)
     (data / "b" / "cut.jpg").write_bytes((data / "b" / "0.jpg").read_bytes()[:50])
-    assert start().split.unreadable == [str(data / "b" / "cut.jpg")] and decoded == [data / "b" / "cut.jpg"]
+    assert start().split.unreadable == [str(data / "b" / "cut.jpg")] == decoded
     with pytest.raises(UserError, match=r"1 unreadable image\(s\) \(--strict-images\): .*cut\.jpg"):
         start("--strict-images")
     assert decoded == []  # its verdict was remembered
@@ -129,3 +132,26 @@ def test_under_torchrun_each_image_is_decoded_once_per_run(torchrun_run, tiny_da
     assert len(images) == 60 and decoded == Counter(images), result.stdout
     assert len(logs) == 1  # one process decoded them all; the other found its verdicts
     assert len(json.loads((out / CHECKED_IMAGES).read_text())["images"]) == 60
+
+
+@pytest.mark.fast
+def test_the_startup_benchmark_parts_at_a_hundred_images(tmp_path):
+    assert image_counts("1000,10000,100000") == [1000, 10000, 100000]
+    with pytest.raises(argparse.ArgumentTypeError):
+        image_counts("10")
+    data = small_images(tmp_path / "images", 100)
+    assert sum(len(list_images(folder)) for folder in data.iterdir()) == 100 and len(list(data.iterdir())) == 10
+    assert small_images(data, 100) == data and not (tmp_path / "images.partial").exists()  # made once
+    parts = startup_parts(data)  # asserts itself that the warm check decoded nothing
+    assert parts["check_warm_s"] < parts["check_cold_s"] and parts["checked_images_mb"] > 0
+    row = {"images": 100, "first_step_cold_s": 9.0, "first_step_warm_s": 8.0, **parts}
+    assert startup_table([row]).splitlines()[2].startswith("| 100 | 9.0 | 8.0 |")
+
+
+@pytest.mark.fast
+def test_the_time_to_the_first_step_stops_at_the_progress_bar_and_kills_the_run(tmp_path):
+    bar_then_wait = "import time; print('loading'); print('[epoch 0] train:   0%', flush=True); time.sleep(60)"
+    seconds = seconds_to_first_step([sys.executable, "-c", bar_then_wait], tmp_path / "log")
+    assert 0 < seconds < 30 and "[epoch 0] train" in (tmp_path / "log").read_text()
+    with pytest.raises(UserError, match="ended before its first step"):
+        seconds_to_first_step([sys.executable, "-c", "print('no step')"], tmp_path / "log")

@@ -1,0 +1,157 @@
+"""Start-up against the size of the data (tools/benchmark.py --startup-sizes 1000,10000,100000).
+
+For each size, a folder of that many small generated images (32x32 JPEGs in 10 classes; made once into
+TMPDIR/benchmark_startup/ and kept for the next time), and:
+  to first step, cold   seconds from starting train_single_gpu.py (a new interpreter: importing torch included)
+                        until its training loop asks for its first batch (the "[epoch 0] train" progress bar
+                        appears), in a new run folder: every image is decoded. The run is then killed (SIGKILL on
+                        Linux and macOS, as a preemption without warning).
+  to first step, warm   the same command with --auto-resume in the same folder: the restart of that run, which
+                        finds the images' verdicts in its folder (checked_images.json) and decodes none.
+  and the parts of start-up that grow with the data, timed in this process: listing and splitting the folder
+  (read_split_data without the check), the image check cold and warm (listing included), split_fingerprint (a
+  resume's check and args.json's record; once per rank), the size of checked_images.json, and of the split
+  pickled (what the spawn script sends each worker).
+The operating system's file cache is warm in every case (the images were just written or read): on a network
+filesystem, listing and the cold check cost more.
+"""
+
+import argparse
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from my_dataset import read_split_data, split_fingerprint
+from plumbing.image_check import CHECKED_IMAGES, ImageCheck
+from plumbing.machine import describe_cpu
+from utils import UserError, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(tempfile.gettempdir()) / "benchmark_startup"
+CLASSES = 10
+FIRST_STEP = b"[epoch 0] train"  # train_one_epoch's progress bar, shown as its loop asks for the first batch
+FLAGS = ["--img-size", "32", "--batch-size", "8", "--epochs", "1", "--workers", "0"]
+
+
+def image_counts(text: str) -> list[int]:
+    """argparse type: "1000,10000,100000" as [1000, 10000, 100000], each at least 100."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 100:
+        raise argparse.ArgumentTypeError(f"{text!r}: give image counts of at least 100, separated by commas")
+    return counts
+
+
+def startup_benchmark(counts: list[int], output_dir: Path, device: str) -> None:
+    """Measure start-up at each of `counts` images; print the table and write startup.json to `output_dir`."""
+    if (output_dir / "startup.json").exists():
+        raise UserError(f"{output_dir} already holds a start-up benchmark: choose another --output-dir or remove it")
+    machine = f"{describe_cpu()}; {device}"
+    print(f"Start-up benchmark: train_single_gpu.py {' '.join(FLAGS)} --device {device}\nMachine: {machine}")
+    rows = []
+    for count in counts:
+        data = small_images(DATA / f"{count}_images_32px", count)
+        row = {"images": count, **startup_parts(data)}
+        command = [sys.executable, str(ROOT / "train_single_gpu.py"), "--data-path", str(data), *FLAGS]
+        command += ["--device", device, "--output-dir", str(output_dir / "startup-runs" / str(count))]
+        row["first_step_cold_s"] = seconds_to_first_step(command, output_dir / "logs" / f"startup-{count}-cold.log")
+        command.append("--auto-resume")
+        row["first_step_warm_s"] = seconds_to_first_step(command, output_dir / "logs" / f"startup-{count}-warm.log")
+        rows.append(row)
+        print(f"  {count} images: {row['first_step_cold_s']:.1f} s cold, {row['first_step_warm_s']:.1f} s warm")
+    write_json(output_dir / "startup.json", {"machine": machine, "flags": FLAGS, "rows": rows})
+    print("\n" + startup_table(rows) + f"\n\nWrote {output_dir / 'startup.json'}")
+
+
+def small_images(folder: Path, count: int) -> Path:
+    """`folder`, holding `count` 32x32 JPEGs in CLASSES class folders (each a noisy shade of its class's colour),
+    made the first time (beside it under a temporary name, then renamed: whole or not at all)."""
+    if folder.exists():
+        return folder
+    print(f"  generating {count} images into {folder} (once)", flush=True)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    rng = np.random.default_rng(count)
+    colours = rng.integers(40, 216, size=(CLASSES, 1, 1, 3))
+    for label in range(CLASSES):
+        (partial / f"class{label:02d}").mkdir(parents=True)
+    for i in range(count):
+        label = i % CLASSES
+        pixels = np.clip(colours[label] + rng.integers(-40, 41, size=(32, 32, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(partial / f"class{label:02d}" / f"{i:07d}.jpg", quality=90)
+    partial.rename(folder)
+    return folder
+
+
+def startup_parts(data: Path) -> dict:
+    """The parts of start-up that grow with the data, each timed once in this process (see the module's text)."""
+    with tempfile.TemporaryDirectory() as run:
+        listing, _ = timed(read_split_data, data)
+        cold_check = ImageCheck(data, Path(run))
+        cold, split = timed(read_split_data, data, verify_images=cold_check)
+        cold_check.save(Path(run))
+        warm_check = ImageCheck(data, Path(run))
+        warm, _ = timed(read_split_data, data, verify_images=warm_check)
+        assert cold_check.decoded == len(split.train_images) + len(split.val_images) and warm_check.decoded == 0
+        fingerprint, _ = timed(split_fingerprint, split, data)
+        return {
+            "listing_s": listing, "check_cold_s": cold, "check_warm_s": warm, "split_fingerprint_s": fingerprint,
+            "checked_images_mb": (Path(run) / CHECKED_IMAGES).stat().st_size / 1e6,
+            "split_pickled_mb": len(pickle.dumps(split)) / 1e6,
+        }  # fmt: skip
+
+
+def timed(function, *args, **kwargs):
+    start = time.perf_counter()
+    result = function(*args, **kwargs)
+    return time.perf_counter() - start, result
+
+
+def seconds_to_first_step(command: list[str], log: Path) -> float:
+    """Seconds from starting `command` until it prints FIRST_STEP; then it is killed. Its output goes to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    output = b""
+    try:
+        while FIRST_STEP not in output:
+            chunk = process.stdout.read1(65536)
+            if not chunk:
+                process.wait()
+                raise UserError(
+                    f"{command[1]} ended before its first step (exit status {process.returncode}); see {log}"
+                )
+            output += chunk
+        return time.perf_counter() - start
+    finally:
+        process.kill()
+        process.wait()
+        log.write_bytes(output)
+
+
+def startup_table(rows: list[dict]) -> str:
+    lines = [
+        "| images | to first step, cold (s) | warm (s) | listing (s) | check, cold (s) | check, warm (s) "
+        "| split_fingerprint (s) | checked_images.json (MB) | split pickled (MB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['images']:,} | {r['first_step_cold_s']:.1f} | {r['first_step_warm_s']:.1f} | {r['listing_s']:.2f} "
+            f"| {r['check_cold_s']:.2f} | {r['check_warm_s']:.2f} | {r['split_fingerprint_s']:.2f} "
+            f"| {r['checked_images_mb']:.1f} | {r['split_pickled_mb']:.1f} |"
+        )
+    return "\n".join(lines)
