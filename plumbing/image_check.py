@@ -98,7 +98,7 @@ class ImageCheck:
         self.unsaved = False
 
 
-def file_key(path: Path) -> tuple[int, int] | None:
+def file_key(path: str) -> tuple[int, int] | None:
     """(size, modification time in ns) of `path`, or None if it cannot be read (vanished since it was listed)."""
     try:
         stat = os.stat(path)

@@ -17,6 +17,7 @@ filesystem, listing and the cold check cost more.
 """
 
 import argparse
+import datetime
 import os
 import pickle
 import shutil
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 from my_dataset import read_split_data, split_fingerprint
@@ -63,13 +65,17 @@ def startup_benchmark(counts: list[int], output_dir: Path, device: str) -> None:
         data = small_images(DATA / f"{count}_images_32px", count)
         row = {"images": count, **startup_parts(data)}
         command = [sys.executable, str(ROOT / "train_single_gpu.py"), "--data-path", str(data), *FLAGS]
-        command += ["--device", device, "--output-dir", str(output_dir / "startup-runs" / str(count))]
+        run = output_dir / "startup-runs" / str(count)
+        command += ["--device", device, "--output-dir", str(run)]
         row["first_step_cold_s"] = seconds_to_first_step(command, output_dir / "logs" / f"startup-{count}-cold.log")
+        written = (run / CHECKED_IMAGES).stat().st_mtime_ns
         command.append("--auto-resume")
         row["first_step_warm_s"] = seconds_to_first_step(command, output_dir / "logs" / f"startup-{count}-warm.log")
+        assert (run / CHECKED_IMAGES).stat().st_mtime_ns == written, "the restart decoded images"  # none changed
         rows.append(row)
         print(f"  {count} images: {row['first_step_cold_s']:.1f} s cold, {row['first_step_warm_s']:.1f} s warm")
-    write_json(output_dir / "startup.json", {"machine": machine, "flags": FLAGS, "rows": rows})
+    record = {"machine": machine, "date": datetime.date.today().isoformat(), "torch": torch.__version__}
+    write_json(output_dir / "startup.json", {**record, "flags": FLAGS, "rows": rows})
     print("\n" + startup_table(rows) + f"\n\nWrote {output_dir / 'startup.json'}")
 
 
