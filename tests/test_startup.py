@@ -112,7 +112,7 @@ def test_a_restarted_run_decodes_nothing_and_reports_a_corrupt_image_added_since
 
     def start(*more):
         decoded.clear()
-        return prepare(parse_config(SINGLE, "", [str(flag) for flag in [*flags, *more]]), world_size=1)
+        return prepare(parse_config(SINGLE, "", [str(flag) for flag in [*flags, *more]]), world_size=1)[1]
 
     first = start()
     assert len(decoded) == 24 and (run / CHECKED_IMAGES).exists()
