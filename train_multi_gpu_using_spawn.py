@@ -21,7 +21,6 @@ from multi_train_utils.distributed_utils import (
     init_distributed_mode,
     is_main_process,
     on_main_process,
-    print_once,
     shuffled_batches,
     val_shard,
 )
@@ -29,10 +28,9 @@ from multi_train_utils.spawn_utils import choose_meeting_point, report_failures,
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training, train_one_epoch, unreadable_limits, validate
 from my_dataset import datasets
+from plumbing.autotune import tune
 from plumbing.checkpoint import resume_from
-from plumbing.compute import choose_compute
 from plumbing.config import parse_config
-from plumbing.machine import use_cores
 from plumbing.plan import prepare
 from plumbing.preemption import ignore_stop_signals
 from plumbing.recipe import build_objective, build_optimizer, model_ema
@@ -65,8 +63,8 @@ def worker(rank: int, config, plan, world_size: int) -> None:
 def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
-    # DDP: the processes on this machine share its cores (loader workers and, on the CPU, compute threads)
-    workers = use_cores(device, process.local_world_size, config.batch_size, config.workers)
+    # DDP: the processes on this machine share its cores; what the flags leave to auto, rank 0 measures for all
+    workers, compute = tune(config, plan, device, process.local_world_size)
     announce(config.script, process, plan.split, workers)
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
     loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
@@ -81,8 +79,6 @@ def train(config, plan, process) -> dict:
     val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
 
     # The model: the same seeded initial weights in every process (DDP also broadcasts rank 0's when it wraps)
-    compute, why = choose_compute(config.amp, config.channels_last, device, config.img_size)
-    print_once(why)
     model = initial_model(
         config.model, len(plan.split.classes), device, compute.memory_format,
         seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,

@@ -14,13 +14,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from model import data_parallel_over_gpus, initial_model
-from multi_train_utils.distributed_utils import print_once, shuffled_batches, single_process
+from multi_train_utils.distributed_utils import shuffled_batches, single_process
 from multi_train_utils.train_eval_utils import Training, train_one_epoch, unreadable_limits, validate
 from my_dataset import datasets
+from plumbing.autotune import tune
 from plumbing.checkpoint import resume_from
-from plumbing.compute import choose_compute
 from plumbing.config import parse_config
-from plumbing.machine import use_cores
 from plumbing.plan import prepare
 from plumbing.preemption import ignore_stop_signals
 from plumbing.recipe import build_objective, build_optimizer, model_ema
@@ -39,8 +38,9 @@ def main(argv=None):
 def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
-    # This process has the machine's cores (for loader workers and, on the CPU, compute threads)
-    workers = use_cores(device, 1, config.batch_size, config.workers)
+    # This process has the machine's cores; the loader workers, precision and layout the flags leave to auto are
+    # measured on them (or remembered from an earlier run): plumbing/autotune.py
+    workers, compute = tune(config, plan, device, 1)
     announce(config.script, process, plan.split, workers)
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
     loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
@@ -53,8 +53,6 @@ def train(config, plan, process) -> dict:
     val_loader = DataLoader(val_set, batch_size=config.batch_size, **loading)
 
     # The model, its initial weights seeded
-    compute, why = choose_compute(config.amp, config.channels_last, device, config.img_size)
-    print_once(why)
     model = initial_model(
         config.model, len(plan.split.classes), device, compute.memory_format,
         seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,

@@ -1,5 +1,5 @@
 """How the model computes: the precision (float32, or bfloat16/float16 autocast) and the memory layout (NCHW or
-channels_last), and the rule that chooses them for the machine and image size in hand."""
+channels_last), and which of them are worth timing on the device in hand (plumbing/autotune.py times them)."""
 
 from dataclasses import dataclass
 
@@ -39,46 +39,71 @@ class Compute:
         return images.to(device, non_blocking=device.type == "cuda", memory_format=self.memory_format)
 
 
-# On the CPU, channels_last pays only where the last stage's feature maps are 3x3 or larger: images of 96 px and
-# up, at ResNet's stride of 32. At 2x2 and below, torch converts each convolution's weights between the two
-# layouts at every step (measured on an AVX2 CPU: +17 ms per 512x512 3x3 convolution at 2x2, +62 %; at 32 px the
-# whole model trains 21 % slower in channels_last). From 96 px it is as fast or faster: +5-10 % at 224 px on AVX2,
-# +17 % (float32) and +26 % (bfloat16) on AMX.
-CHANNELS_LAST_MIN_SIZE = 96
+# The --amp values and what each computes in.
+AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_NAMES = {"off": "float32", "bf16": "bfloat16 autocast", "fp16": "float16 autocast with gradient scaling"}
 
 
-def choose_compute(amp: str, channels_last: bool | None, device: torch.device, img_size: int) -> tuple[Compute, str]:
-    """The precision and memory layout to train in, and a line saying which and why.
+def amp_candidates(amp: str, device: torch.device) -> tuple[list[str], str]:
+    """The --amp values to choose among on `device`, and why (the phrase the printed line gives).
 
-    amp "auto": bfloat16 where the device computes it natively (GPUs from Ampere on; CPUs with AMX or
-    AVX512-BF16, unless ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA cap torch below them), float32 elsewhere.
-    channels_last None: on GPUs, and on the CPU from CHANNELS_LAST_MIN_SIZE px up. On a Mac's GPU (mps), neither
-    has been measured here, so auto is float32 in NCHW there. Given values win.
+    A given value is the only one. "auto" is float32, and bfloat16 too where the device has bfloat16 arithmetic
+    (GPUs from Ampere on; CPUs with AMX or AVX512-BF16, unless ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA cap
+    torch below them): elsewhere bfloat16 is emulated and slower than float32, not worth timing. Having the
+    instructions does not make it faster: plumbing/autotune.py times both (on a Xeon with AVX512-BF16 but no
+    AMX, float32 is faster). float16 is never chosen for you: its gradient scaling skips steps that overflow, a
+    change to training that only a flag should make. On a Mac's GPU (mps) auto is float32: autocast there is not
+    checked here.
     """
+    if amp != "auto":
+        return [amp], f"--amp {amp}"
+    if device.type == "mps":
+        return ["off"], "--amp auto: autocast on mps is not measured here"
+    if device.type == "cuda":
+        native = torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and later compute bf16 natively
+        why = "this GPU computes bfloat16 natively" if native else "this GPU has no native bfloat16"
+    else:
+        native, why = cpu_bfloat16()
+    return (["off", "bf16"] if native else ["off"]), f"--amp auto: {why}"
+
+
+def compute_candidates(amp: str, channels_last: bool | None, device: torch.device) -> list[Compute]:
+    """Every way of computing the flags allow: the precisions of amp_candidates, each in both memory layouts
+    unless --channels-last or --no-channels-last says which (NCHW first: the original's float32 NCHW leads)."""
+    layouts = [False, True] if channels_last is None else [channels_last]
+    precisions = amp_candidates(amp, device)[0]
+    return [Compute(AMP_DTYPES[precision], layout) for layout in layouts for precision in precisions]
+
+
+def amp_flag(compute: Compute) -> str:
+    """The --amp value that computes as `compute` does ("off", "bf16" or "fp16")."""
+    return next(flag for flag, dtype in AMP_DTYPES.items() if dtype == compute.amp_dtype)
+
+
+def short_name(compute: Compute) -> str:
+    """E.g. "bfloat16 channels_last", for the lines that list what was measured."""
+    precision = "float32" if compute.amp_dtype is None else str(compute.amp_dtype).removeprefix("torch.")
+    return f"{precision} {'channels_last' if compute.channels_last else 'NCHW'}"
+
+
+def summary(compute: Compute, amp_reason: str, layout_reason: str) -> str:
+    """The line a run prints about how it computes, e.g. "Precision: float32 (--amp off); memory layout NCHW
+    (--no-channels-last)"."""
+    layout = "channels_last" if compute.channels_last else "NCHW"
+    return f"Precision: {PRECISION_NAMES[amp_flag(compute)]} ({amp_reason}); memory layout {layout} ({layout_reason})"
+
+
+def choose_compute(amp: str, channels_last: bool | None, device: torch.device) -> tuple[Compute, str]:
+    """How to compute without measuring, and the line saying so: the flags' values where given; what is left to
+    auto is float32 and NCHW, the original's (training measures instead: plumbing/autotune.py; this is for
+    predicting with a run recorded before it did, and for runs whose flags say everything)."""
     if amp == "auto":
-        if device.type == "cuda":
-            native = torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and later compute bf16 natively
-            why = "this GPU computes bfloat16 natively" if native else "this GPU has no native bfloat16"
-        elif device.type == "mps":
-            native, why = False, "autocast on mps is not measured here"
-        else:
-            native, why = cpu_bfloat16()
-        amp, amp_reason = ("bf16" if native else "off"), f"--amp auto: {why}"
+        amp, amp_reason = "off", "--amp auto: not measured"
     else:
         amp_reason = f"--amp {amp}"
     if channels_last is None:
-        if device.type == "mps":
-            channels_last, layout_reason = False, "auto: channels_last on mps is not measured here"
-        elif device.type == "cuda":
-            channels_last, layout_reason = True, "auto: GPUs convolve fastest in it"
-        else:
-            channels_last = img_size >= CHANNELS_LAST_MIN_SIZE
-            layout_reason = (
-                f"auto: {img_size} px {'>=' if channels_last else '<'} {CHANNELS_LAST_MIN_SIZE} px on the CPU"
-            )
+        channels_last, layout_reason = False, "auto: not measured"
     else:
         layout_reason = "--channels-last" if channels_last else "--no-channels-last"
-    dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
-    name = {"off": "float32", "bf16": "bfloat16 autocast", "fp16": "float16 autocast with gradient scaling"}[amp]
-    layout = "channels_last" if channels_last else "NCHW"
-    return Compute(dtype, channels_last), f"Precision: {name} ({amp_reason}); memory layout {layout} ({layout_reason})"
+    compute = Compute(AMP_DTYPES[amp], channels_last)
+    return compute, summary(compute, amp_reason, layout_reason)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from model import DEFAULT_MODEL, IMAGENET, model_names
 from my_dataset import AUTO_AUGMENT
-from plumbing.compute import CHANNELS_LAST_MIN_SIZE
 from plumbing.demo_data import DEMO_DATA_PATH
 from utils import HelpFormatter, Parser, UserError, number, positive_float, positive_int
 
@@ -97,8 +96,9 @@ class Config:
     )
     workers: int | None = data_flag(
         None,
-        "data loader processes per training process (default: on a GPU, this process's share of the cores, "
-        "at most 8; on the CPU, one per 8 cores of its share, the rest training)",
+        "data loader processes per training process (default: auto, from the measured time to load an image "
+        "against a training step's: on a GPU enough to keep ahead of it; on the CPU, where each takes a core from "
+        "training, as many as pay)",
         type=number(int, 0),
     )
 
@@ -184,16 +184,23 @@ class Config:
     # speed
     amp: str = speed_flag(
         "auto",
-        "mixed precision (torch.amp autocast): auto is bf16 where the device computes it natively "
-        "(GPUs from Ampere on, CPUs with AMX or AVX512-BF16 that torch is not capped below) and off (float32) "
-        "elsewhere; fp16 adds gradient scaling",
+        "mixed precision (torch.amp autocast): auto times off (float32) and, where the device has bfloat16 "
+        "instructions (GPUs from Ampere on, CPUs with AMX or AVX512-BF16 that torch is not capped below), bf16, "
+        "and takes the faster; fp16 adds gradient scaling",
         choices=["auto", "off", "bf16", "fp16"],
     )
     channels_last: bool | None = speed_flag(
         None,
-        "keep images and weights in NHWC memory layout (default: on GPUs, and on the CPU for images of "
-        f"{CHANNELS_LAST_MIN_SIZE} px and up, where it is faster)",
+        "keep images and weights in NHWC memory layout (default: auto, whichever of NHWC and NCHW trains faster "
+        "here, timed)",
         switch=True,
+    )
+    remeasure: bool = speed_flag(
+        False,
+        "time what --amp, --channels-last and --workers leave to auto again, instead of taking the choice an "
+        "earlier run measured on this machine for this configuration (kept in autotune.json in the user's cache "
+        "folder: see docs/performance.md)",
+        action="store_true",
     )
     compile: bool = speed_flag(
         False,

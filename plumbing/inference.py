@@ -111,8 +111,8 @@ def load_trained_model(weights: Path, class_indices: Path | None, device: torch.
     model = create_model(len(classes), architecture)
     load_weights(model, state_dict, strict=True, name=architecture)
     # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
-    # (Weights whose run is unknown: float32 NCHW.)
-    compute = choose_compute(run.amp, run.channels_last, device, run.img_size)[0] if run_args else Compute()
+    # (Weights whose run is unknown, or recorded "auto" before runs recorded what auto chose: float32 NCHW.)
+    compute = choose_compute(run.amp, run.channels_last, device)[0] if run_args else Compute()
     model = model.to(device, memory_format=compute.memory_format).eval()
     return TrainedModel(model, device, compute, classes, run, run_folder(weights))
 

@@ -10,6 +10,7 @@ and why every decision here reads the caps, not only what the processor could do
 
 import os
 import platform
+import subprocess
 
 import torch
 
@@ -56,11 +57,19 @@ def available_cores() -> int:
 
 
 def cpu_name() -> str:
+    """E.g. "AMD EPYC", "Apple M2": from /proc/cpuinfo on Linux, sysctl on macOS (where platform.processor()
+    says only "arm"), the platform's own answer elsewhere (Windows: family, model and vendor)."""
     try:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     except OSError:
         names = []
+    if not names and platform.system() == "Darwin":
+        try:
+            answer = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
+            names = [answer.stdout.strip()] if answer.returncode == 0 and answer.stdout.strip() else []
+        except OSError:
+            pass
     return names[0] if names else platform.processor() or platform.machine()
 
 
@@ -82,8 +91,15 @@ CORES_PER_CPU_LOADER = 8
 MAX_GPU_LOADERS = 8
 
 
+def cores_per_process(processes_here: int = 1) -> int:
+    """This process's share of the cores it may use, when `processes_here` processes share this machine."""
+    return max(1, available_cores() // processes_here)
+
+
 def core_budget(device: torch.device, processes_here: int = 1, batch_size: int = 1, workers: int | None = None):
-    """(loader workers, compute threads) for one of `processes_here` processes sharing this machine's cores.
+    """(loader workers, compute threads) for one of `processes_here` processes sharing this machine's cores, by
+    rule: for predict.py and evaluate.py, and for the compute threads beside a --workers given to training (whose
+    workers left to auto are measured instead: plumbing/autotune.py).
 
     On a GPU (CUDA, or a Mac's mps) the cores only prepare data: up to 8 workers (no more than a batch's images).
     On the CPU the same cores also compute, and a loader process that takes a core away from a compute thread
@@ -91,7 +107,7 @@ def core_budget(device: torch.device, processes_here: int = 1, batch_size: int =
     on the rest (on 2 cores: no worker, images loaded between steps). `workers` (--workers) changes the workers,
     not the threads.
     """
-    share = max(1, available_cores() // processes_here)
+    share = cores_per_process(processes_here)
     if device.type in ("cuda", "mps"):
         return (min(MAX_GPU_LOADERS, share, batch_size) if workers is None else workers), torch.get_num_threads()
     reserved = share // CORES_PER_CPU_LOADER  # cores kept for loading, whatever --workers says

@@ -14,7 +14,7 @@ from torch.utils.tensorboard.summary import hparams
 from multi_train_utils.distributed_utils import on_main_process, print_once
 from my_dataset import IMAGENET_MEAN, IMAGENET_STD, DataSplit, split_fingerprint, write_class_indices
 from plumbing.checkpoint import CHECKPOINT_NAME, save_atomically, save_epoch, training_state
-from plumbing.compute import Compute
+from plumbing.compute import Compute, amp_flag
 from plumbing.preemption import StopRequested, stop_signals_noted
 from utils import OutputError, describe, write_atomically, write_failure, write_json
 
@@ -54,6 +54,7 @@ class RunLog:
         self.record = config.record(
             data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=plan.output_dir,
             world_size=process.world_size, device=str(process.device), channels_last=compute.channels_last,
+            amp=amp_flag(compute),  # what auto chose, so that predict.py and evaluate.py compute as the run did
             split=split_fingerprint(plan.split, plan.data_path),  # a resume checks it has the same images
             **plan.given,  # the run's --batch-size and --lr as given, and for how many processes
         )  # fmt: skip

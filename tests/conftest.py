@@ -25,15 +25,21 @@ from filelock import FileLock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from plumbing.autotune import CACHE_ENV  # noqa: E402
 from plumbing.demo_data import make_demo_data  # noqa: E402
-from plumbing.machine import available_cores  # noqa: E402
+from plumbing.machine import available_cores, cpu_bfloat16  # noqa: E402
 
-# Settings that make a training run take seconds: tiny images, small batches.
-FAST = ["--img-size", "32", "--batch-size", "8", "--workers", "0"]
+# What auto would measure (plumbing/autotune.py), pinned, so that no test run spends time measuring unless it
+# tests measuring: the precision and layout the suite has always trained in (bfloat16 where the CPU computes it
+# natively, NCHW at its 32 px), and no loader worker.
+PINNED_COMPUTE = ["--amp", "bf16" if cpu_bfloat16()[0] else "off", "--no-channels-last"]
+PINNED = [*PINNED_COMPUTE, "--workers", "0"]
+# Settings that make a training run take seconds: tiny images, small batches, nothing measured.
+FAST = ["--img-size", "32", "--batch-size", "8", *PINNED]
 FAULTS = ROOT / "tests" / "fault_injection"
 REFERENCE_FLAGS = ("--epochs", "4", "--seed", "0", *FAST)
 # Two DDP epochs in float32 on any CPU (--amp off: bfloat16 where native would make runs differ between machines).
-DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", "--amp", "off", *FAST)
+DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST, "--amp", "off")
 
 
 def fault_env(fault: str | None = None) -> dict:
@@ -169,7 +175,7 @@ def trained_run(learnable_data, shared_tmp):
         result = run_script(
             "train_single_gpu.py",
             *("--data-path", learnable_data, "--output-dir", out, "--img-size", "32", "--batch-size", "32"),
-            *("--epochs", "6", "--lr", "0.01", "--workers", "0"),
+            *("--epochs", "6", "--lr", "0.01", *PINNED),
         )
         assert result.returncode == 0, result.stderr
         return out, result
@@ -269,6 +275,13 @@ def pytest_configure(config):
     share = cores[index * per_worker : (index + 1) * per_worker] or cores[index % len(cores) :][:1]
     os.sched_setaffinity(0, share)
     torch.set_num_threads(len(share))  # tests that train in this process, too
+
+
+@pytest.fixture(scope="session", autouse=True)
+def autotune_cache_of_this_session(tmp_path_factory):
+    """What a run measures (in the tests of measuring) is kept in this session's folder, never in the user's cache;
+    every script a test starts inherits the setting."""
+    os.environ[CACHE_ENV] = str(tmp_path_factory.getbasetemp() / "autotune.json")
 
 
 @pytest.fixture(scope="session")

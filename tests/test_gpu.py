@@ -195,13 +195,13 @@ def probe_records(records: Path, event: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def bf16_run(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("bf16") / "run"
-    return out, train_single(tiny_data, out, "--device", "cuda", "--amp", "bf16")
+    return out, train_single(tiny_data, out, "--device", "cuda", "--amp", "bf16", "--channels-last")
 
 
 def test_bf16_channels_last_trains_two_epochs_on_the_gpu(bf16_run):
     out, result = bf16_run
     line = precision_line(result.stdout)
-    assert "bfloat16 autocast (--amp bf16)" in line and "memory layout channels_last" in line  # channels_last: auto
+    assert "bfloat16 autocast (--amp bf16)" in line and "memory layout channels_last (--channels-last)" in line
     assert "1 process(es) on cuda" in result.stdout
     assert_trained(out)
 
@@ -402,9 +402,7 @@ def test_data_parallel_with_one_gpu_trains_the_plain_model(tiny_data, tmp_path):
 # compiles with the machine's C compiler); with -x the others have run first.
 def test_compile_trains_two_epochs_on_the_gpu_and_saves_plain_weights(tiny_data, tmp_path):
     out = tmp_path / "run"
-    result = train_single(tiny_data, out, "--device", "cuda", "--compile", timeout=600)
-    line = precision_line(result.stdout)
-    if bf16_is_native():
-        assert "bfloat16 autocast (--amp auto: this GPU computes bfloat16 natively)" in line
-    assert "memory layout channels_last" in line
+    amp = "bf16" if bf16_is_native() else "off"
+    result = train_single(tiny_data, out, "--device", "cuda", "--compile", "--amp", amp, "--channels-last", timeout=600)
+    assert f"(--amp {amp}); memory layout channels_last (--channels-last)" in precision_line(result.stdout)
     assert_trained(out)

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, assert_user_error, run_script
+from conftest import PINNED_COMPUTE, ROOT, assert_user_error, run_script
 from torch import nn
 
 import utils
@@ -25,13 +25,14 @@ from multi_train_utils.distributed_utils import MPS_IN_DDP, init_distributed_mod
 from multi_train_utils.train_eval_utils import Training
 from plumbing import machine
 from plumbing.checkpoint import load_checkpoint, restore, save_atomically, training_state
-from plumbing.compute import Compute, choose_compute
+from plumbing.compute import Compute, amp_candidates, compute_candidates
 from plumbing.run_log import peak_memory
 from utils import UserError, write_atomically
 
 WINDOWS_LIKE = {"PYTHONPATH": f"{ROOT / 'tests' / 'windows_like'}{os.pathsep}{ROOT}"}
 # One epoch of tiny images, with one loader worker per loader: a worker process started by spawn.
 ONE_EPOCH = ["--img-size", "32", "--batch-size", "8", "--epochs", "1", "--device", "cpu", "--workers", "1"]
+ONE_EPOCH += PINNED_COMPUTE  # nothing left to measure (plumbing/autotune.py)
 MPS, CPU = torch.device("mps"), torch.device("cpu")
 
 
@@ -231,11 +232,9 @@ def test_peak_memory_on_mps_calls_no_cuda_function(mac_with_cuda_forbidden):
 
 
 @pytest.mark.fast
-def test_amp_and_channels_last_auto_on_mps_are_float32_nchw_and_say_why(mac_with_cuda_forbidden):
-    compute, reason = choose_compute("auto", None, MPS, 224)
-    assert compute == Compute(amp_dtype=None, channels_last=False)
-    assert "--amp auto: autocast on mps is not measured here" in reason
-    assert "auto: channels_last on mps is not measured here" in reason
+def test_amp_auto_on_mps_is_float32_and_says_why_while_the_layout_is_measured(mac_with_cuda_forbidden):
+    assert amp_candidates("auto", MPS) == (["off"], "--amp auto: autocast on mps is not measured here")
+    assert compute_candidates("auto", None, MPS) == [Compute(None, channels_last=False), Compute(None, True)]
 
 
 @pytest.mark.fast

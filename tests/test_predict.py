@@ -30,7 +30,7 @@ def probabilities_in_process(weights, images, run_args: dict) -> torch.Tensor:
     and memory layout the run validated in (its --amp and --channels-last)."""
     model = resnet34(num_classes=5)
     model.load_state_dict(torch.load(weights, weights_only=True))
-    compute, _ = choose_compute(run_args["amp"], run_args["channels_last"], torch.device("cpu"), run_args["img_size"])
+    compute, _ = choose_compute(run_args["amp"], run_args["channels_last"], torch.device("cpu"))
     model = model.to(memory_format=compute.memory_format).eval()
     loader = DataLoader(MyDataSet(images, [0] * len(images), val_transform(run_args["img_size"])), batch_size=16)
     with torch.no_grad(), compute.autocast(torch.device("cpu")):

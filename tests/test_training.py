@@ -7,6 +7,7 @@ import torch
 from conftest import (
     DDP_FLAGS,
     FAST,
+    PINNED_COMPUTE,
     REFERENCE_FLAGS,
     assert_user_error,
     final_weights,
@@ -69,8 +70,8 @@ def test_tensorboard_shows_predictions_each_epoch_and_the_runs_flags(trained_run
     start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     flags = plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams
     assert flags["epochs"].number_value == 6 and flags["img_size"].number_value == 32
-    # switches as text (a bool would become the number 1); the layout as "auto" chose it (32 px: NCHW on the CPU)
-    assert flags["amp"].string_value == "auto" and flags["channels_last"].string_value == "False"
+    # switches as text (a bool would become the number 1); the precision and layout the run trained in
+    assert flags["amp"].string_value == PINNED_COMPUTE[1] and flags["channels_last"].string_value == "False"
 
 
 def test_data_parallel_without_several_gpus_trains_a_plain_model(tiny_data, tmp_path):

@@ -16,8 +16,16 @@ Rows, each a fresh process (or group of processes) so that no row inherits anoth
                  the workers the scripts use on this device (at least 1); images per second after the first
                  batches, at least --loader-images of them
   baseline       train_single_gpu.py as the original scripts ran: float32, NCHW, loader workers restarted each epoch
-  single         train_single_gpu.py with this collection's defaults (or --amp / --channels-last)
-  torchrun, spawn   the two DDP launch scripts with --nprocs processes
+  fixed          train_single_gpu.py in each fixed precision and layout (--fixed: float32 NCHW, the original's;
+                 float32 channels_last; bfloat16 in both where the device has its instructions), with the loader
+                 workers auto chose
+  auto           train_single_gpu.py with this collection's defaults (or --amp / --channels-last): precision,
+                 layout and workers left to auto, which measures them in this, its first run (the benchmark keeps
+                 its own cache of auto's choices, in --output-dir, so every benchmark measures anew). It runs
+                 first: the rows without a script use what it chose
+  torchrun, spawn   the two DDP launch scripts with --nprocs processes, auto as in the auto row
+  demo           train_single_gpu.py --demo, its first run (unless --skip-demo): the demo's time and accuracy, and
+                 what auto's measuring cost at the demo's size
 The rows without a loader time --steps steps after 3 untimed ones, the device synchronised before the clock starts
 and before it stops. End-to-end figures come from the runs' own metrics.jsonl: training images per second and
 epoch wall time (training and validation) averaged over the epochs after the first, which pays one-off start-up
@@ -38,6 +46,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import time
@@ -56,16 +65,28 @@ from multi_train_utils.distributed_utils import resolve_device, shuffled_batches
 from multi_train_utils.train_eval_utils import Training, train_one_epoch  # noqa: E402
 from my_dataset import datasets, read_split_data  # noqa: E402
 from plot_results import plot_benchmark  # noqa: E402
-from plumbing.compute import choose_compute  # noqa: E402
-from plumbing.config import SINGLE, Config, parse_config  # noqa: E402
+from plumbing.autotune import CACHE_ENV, cache_file, read_entries, synchronize, training_step  # noqa: E402
+from plumbing.compute import (  # noqa: E402
+    AMP_DTYPES,
+    PRECISION_NAMES,
+    Compute,
+    amp_candidates,
+    amp_flag,
+    choose_compute,
+    short_name,
+)
+from plumbing.config import DEMO_DEFAULTS, SINGLE, Config, parse_config  # noqa: E402
 from plumbing.demo_data import make_demo_data  # noqa: E402
-from plumbing.machine import core_budget, describe_cpu  # noqa: E402
+from plumbing.machine import describe_cpu  # noqa: E402
 from plumbing.recipe import build_optimizer  # noqa: E402
 from plumbing.run_log import peak_memory  # noqa: E402
 from tools.startup_benchmark import image_counts, startup_benchmark  # noqa: E402
 from utils import Parser, UserError, entry_point, number, write_json  # noqa: E402
 
 FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
+# The fixed configurations auto is compared with: --amp, channels_last
+FIXED = {"float32-nchw": ("off", False), "float32-channels_last": ("off", True), "bf16-nchw": ("bf16", False),
+         "bf16-channels_last": ("bf16", True)}  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -91,15 +112,27 @@ def parse_args(argv=None):
         "--loader-images", type=number(int, 1), default=512, help="timed images of the loader rows (at least)"
     )
     p.add_argument("--nprocs", type=number(int, 1), help="DDP processes (default: GPUs visible, or 2 on the CPU)")
-    p.add_argument("--amp", choices=["auto", "off", "bf16", "fp16"], default="auto", help="precision to measure")
+    p.add_argument(
+        "--amp",
+        choices=["auto", "off", "bf16", "fp16"],
+        default="auto",
+        help="precision of the auto row and the rows that compute as it does (auto: measured, as the scripts do)",
+    )
     p.add_argument(
         "--channels-last",
         action=argparse.BooleanOptionalAction,
-        help="NHWC layout (default: as the training scripts choose it for this device and image size)",
+        help="NHWC layout of the same rows (default: auto, measured)",
+    )
+    p.add_argument(
+        "--fixed",
+        type=fixed_list,
+        help=f"fixed configurations run end to end beside auto, comma-separated, of {', '.join(FIXED)} "
+        "(default: the float32 ones, and the bf16 ones where the device has bfloat16 instructions); none: no such row",
     )
     p.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
     p.add_argument("--output-dir", type=Path, default=Path("benchmark"), help="where results and runs go")
     p.add_argument("--skip-ddp", action="store_true", help="measure the single-process rows only")
+    p.add_argument("--skip-demo", action="store_true", help="leave out the demo's run (a minute or two on a CPU)")
     p.add_argument(
         "--startup-sizes",
         type=image_counts,
@@ -109,6 +142,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def fixed_list(text: str) -> list[str]:
+    names = [] if text == "none" else text.split(",")
+    unknown = [name for name in names if name not in FIXED]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(FIXED)}")
+    return names
+
+
 def _in_memory(queue, mode, img_size, batch_size, amp, channels_last, device, steps):
     """In a fresh process: `steps` timed training steps on one random batch held in memory, after three untimed
     ones (allocations, kernel choices). `mode` "bare": the step alone, the batch on the device once; "item": the
@@ -116,7 +157,7 @@ def _in_memory(queue, mode, img_size, batch_size, amp, channels_last, device, st
     reads the loss at every step, as training does."""
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = resolve_device(device)
-    compute, _ = choose_compute(amp, channels_last, device, img_size)
+    compute, _ = choose_compute(amp, channels_last, device)
     model = initial_model("resnet34", 5, device, compute.memory_format)  # as the scripts build it, in one process
     # The training scripts' optimizer at their default settings (the step's cost does not depend on them).
     optimizer, _ = build_optimizer(model, parse_config(SINGLE, "", []), batches_per_epoch=1)
@@ -144,15 +185,9 @@ def bare_steps(model, optimizer, scaler, compute, batch, steps: int, host_sync: 
     cross-entropy, the scaled backward pass and the optimizer's step. With `host_sync`, loss.item() after each
     step, as a loop that logs or checks every step's loss does: the CPU waits for the device, so it cannot queue
     the next step's work while the device computes this one."""
-    images, labels = batch
     model.train()
     for _ in range(steps):
-        with compute.autocast(images.device):
-            loss = torch.nn.functional.cross_entropy(model(images), labels)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        loss = training_step(model, optimizer, scaler, compute, *batch)  # as auto times it
         if host_sync:
             loss.item()
 
@@ -160,12 +195,6 @@ def bare_steps(model, optimizer, scaler, compute, batch, steps: int, host_sync: 
 def loop_steps(model, optimizer, scaler, compute, device, batch, steps: int) -> None:
     """`steps` training steps through train_one_epoch, `batch` (in host memory) standing in for the loader."""
     train_one_epoch(Training(model, optimizer, compute=compute, scaler=scaler), [batch] * steps, device, 0)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait until the device has finished the work queued on it (the CPU computes as it is asked: nothing to do)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _loader(queue, split, img_size, batch_size, workers, images, start_method, pin_memory):
@@ -285,6 +314,36 @@ def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
     return [*lines, f"loss.item() each step costs {cost:.0%} of the ceiling's speed (no target)"]
 
 
+def auto_targets(rows: list[dict]) -> list[str]:
+    """The targets of auto's measuring, with the figures of this run: its end-to-end speed against the best fixed
+    configuration and against the original's (float32 NCHW), what its measuring cost, the demo's time and
+    accuracy."""
+    auto, fixed, lines = rows_of(rows, "single")[0], rows_of(rows, "fixed"), []
+    verdict = lambda met: "met" if met else "NOT met"  # noqa: E731
+    if fixed:
+        best = max(fixed, key=lambda row: row["img_per_sec"])
+        ratio = auto["img_per_sec"] / best["img_per_sec"]
+        lines.append(f"auto ({auto['precision']}) against the best fixed configuration ({best['precision']}): "
+                     f"{ratio:.0%} ({verdict(ratio >= 0.95)}: >= 95 %)")  # fmt: skip
+    original = next((row for row in fixed if row["precision"] == "float32, NCHW"), None)
+    if original:
+        ratio = auto["img_per_sec"] / original["img_per_sec"]
+        lines.append(f"auto against the original's configuration (float32, NCHW): {ratio:.2f}x "
+                     f"({verdict(ratio >= 1.0)}: never slower)")  # fmt: skip
+    if auto.get("measure_seconds") is not None:
+        lines.append(f"auto's measuring took {auto['measure_seconds']:.1f} s of its first run's "
+                     f"{auto['run_seconds']:.0f} s (no target)")  # fmt: skip
+    for demo in rows_of(rows, "demo"):
+        share = (demo["measure_seconds"] or 0) / demo["run_seconds"]
+        lines += [
+            f"the demo's first run measured for {demo['measure_seconds'] or 0:.1f} s, {share:.1%} of its "
+            f"{demo['run_seconds']:.0f} s ({verdict(share <= 0.1)}: <= 10 %)",
+            f"the demo took {demo['run_seconds']:.0f} s ({verdict(demo['run_seconds'] <= 120)}: <= 120 s) and "
+            f"reached validation accuracy {demo['val_acc']:.3f} ({verdict(demo['val_acc'] >= 0.8)}: >= 0.80)",
+        ]
+    return lines
+
+
 def rows_of(rows: list[dict], kind: str) -> list[dict]:
     return [row for row in rows if row["kind"] == kind]
 
@@ -293,12 +352,16 @@ def worker_phrase(count: int) -> str:
     return f"{count} worker{'s' * (count != 1)}"
 
 
-def run_script(args, name: str, script: list, flags: list) -> dict:
-    """Train with a script (`script`: what follows `python`); speed and memory from the metrics.jsonl it writes."""
+def run_script(args, name: str, script: list, flags: list, demo: bool = False) -> dict:
+    """Train with a script (`script`: what follows `python`) on the benchmark's data and settings, or (`demo`) as
+    --demo does; speed and memory from the metrics.jsonl it writes."""
     out = args.output_dir / "runs" / name
-    command = [sys.executable, *script, "--data-path", str(args.data_path)]
-    command += ["--output-dir", str(out), "--img-size", str(args.img_size), "--batch-size", str(args.batch_size)]
-    command += ["--epochs", str(args.epochs), "--device", args.device, *flags]
+    command = [sys.executable, *script, "--output-dir", str(out), "--device", args.device, *flags]
+    if demo:
+        command.append("--demo")
+    else:
+        command += ["--data-path", str(args.data_path), "--img-size", str(args.img_size)]
+        command += ["--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
     log = args.output_dir / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"  {name}: {' '.join(command[1:])}", flush=True)
@@ -355,53 +418,52 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def measure_peaks(compute, device: torch.device) -> dict:
-    """The matrix-product peak of float32 and of the precision measured, in FLOP/s, by name ("float32", ...)."""
-    peaks = {"float32": matmul_peak(torch.float32, device)}
-    if compute.amp_dtype is not None:
-        peaks[str(compute.amp_dtype).removeprefix("torch.")] = matmul_peak(compute.amp_dtype, device)
-    return peaks
+def measure_peaks(computes: list[Compute], device: torch.device) -> dict:
+    """The matrix-product peak of float32 and of every other precision measured, in FLOP/s, by name ("float32",
+    "bfloat16", ...)."""
+    dtypes = {torch.float32} | {compute.amp_dtype for compute in computes if compute.amp_dtype is not None}
+    return {peak_name(dtype): matmul_peak(dtype, device) for dtype in sorted(dtypes, key=str, reverse=True)}
 
 
-def measure_rows(args, compute, precision: str, nprocs: int, peaks: dict, flops: float, split) -> list[dict]:
-    """Every row of the table, each measured in fresh processes."""
-    layout = "channels_last" if compute.channels_last else "NCHW"
-    ours = f"{precision}, {layout}"
-    peak_ours = peaks[str(compute.amp_dtype or torch.float32).removeprefix("torch.")]
-    rows = in_memory_rows(args, compute, ours, peak_ours, peaks["float32"], flops) + loader_rows(args, split)
-    return rows + script_rows(args, compute, ours, nprocs, peak_ours, peaks["float32"], flops)
+def peak_name(dtype: torch.dtype | None) -> str:
+    return str(dtype or torch.float32).removeprefix("torch.")
 
 
-def in_memory_rows(args, compute, ours: str, peak_ours: float, peak_fp32: float, flops: float) -> list[dict]:
+def described(compute: Compute) -> str:
+    """E.g. "bfloat16 autocast, channels_last": a row's precision and layout."""
+    return f"{PRECISION_NAMES[amp_flag(compute)]}, {'channels_last' if compute.channels_last else 'NCHW'}"
+
+
+def in_memory_rows(args, compute: Compute, peaks: dict, flops: float) -> list[dict]:
     """The rows without a data loader: the bare training step (the first: the ceiling), the same with loss.item()
-    each step, the same in float32 NCHW, and train_one_epoch's loop over a batch in memory."""
-    fp32, channels_last = "float32, NCHW", compute.channels_last
-    cases = [  # name, kind, _in_memory's mode, --amp, channels_last, precision and layout, peak FLOP/s
-        ("model only (the ceiling)", "model-only", "bare", args.amp, channels_last, ours, peak_ours),
-        ("model only, loss.item() each step", "model-only", "item", args.amp, channels_last, ours, peak_ours),
-        ("model only, float32 NCHW", "model-only", "bare", "off", False, fp32, peak_fp32),
-        ("train_one_epoch, tensors in memory", "loop", "loop", args.amp, channels_last, ours, peak_ours),
+    each step, the same in float32 NCHW, and train_one_epoch's loop over a batch in memory; in what auto chose."""
+    cases = [  # name, kind, _in_memory's mode, how it computes
+        ("model only (the ceiling)", "model-only", "bare", compute),
+        ("model only, loss.item() each step", "model-only", "item", compute),
+        ("model only, float32 NCHW", "model-only", "bare", Compute()),
+        ("train_one_epoch, tensors in memory", "loop", "loop", compute),
     ]
     settings = (args.img_size, args.batch_size)
     return [
-        row(name, kind, 1, precision,
-            in_fresh_process(name, _in_memory, mode, *settings, amp, layout, args.device, args.steps), peak, flops)
-        for name, kind, mode, amp, layout, precision, peak in cases
+        row(name, kind, 1, described(case),
+            in_fresh_process(name, _in_memory, mode, *settings, amp_flag(case), case.channels_last, args.device,
+                             args.steps),
+            peaks[peak_name(case.amp_dtype)], flops)
+        for name, kind, mode, case in cases
     ]  # fmt: skip
 
 
-def loader_rows(args, split) -> list[dict]:
-    """The training loader alone: with one worker (what one worker supplies) and with the workers the training
-    scripts use on this device, at least one (where the scripts use none, they load between steps)."""
+def loader_rows(args, split, workers: int) -> list[dict]:
+    """The training loader alone: with one worker (what one worker supplies) and with the workers auto chose for
+    the training scripts, at least one (where they use none, they load between steps)."""
     device = torch.device(args.device)
-    scripts = core_budget(device, 1, args.batch_size)[0]
-    if scripts == 0:
+    if workers == 0:
         theirs = "loader, 1 worker (the training scripts here: none, images loaded between steps)"
     else:
-        theirs = f"loader, {worker_phrase(scripts)} (as the training scripts)"
+        theirs = f"loader, {worker_phrase(workers)} (as the training scripts)"
     start_method = multiprocessing.get_start_method()  # what a script's loader gets: the platform's default
     rows = []
-    for count, name in ((1, "loader, 1 worker"), (max(1, scripts), theirs)):
+    for count, name in ((1, "loader, 1 worker"), (max(1, workers), theirs)):
         measure = (split, args.img_size, args.batch_size, count, args.loader_images, start_method)
         measure += (device.type == "cuda",)  # pinned, as train() asks on a GPU
         measured = in_fresh_process(name, _loader, *measure)
@@ -410,18 +472,65 @@ def loader_rows(args, split) -> list[dict]:
     return rows
 
 
-def script_rows(args, compute, ours: str, nprocs: int, peak_ours: float, peak_fp32: float, flops: float):
-    """The training scripts end to end: the original's setup, train_single_gpu.py and (unless --skip-ddp) the
-    two DDP launch scripts."""
-    single = [str(ROOT / "train_single_gpu.py")]
-    ours_flags = ["--amp", args.amp, "--channels-last" if compute.channels_last else "--no-channels-last"]
+def auto_run(args) -> tuple[dict, Compute, int]:
+    """train_single_gpu.py as a user runs it, precision, layout and workers left to auto (unless --amp or
+    --channels-last say): its first run here, so auto measures. Returns the run's figures (with what measuring
+    took: measure_seconds), how auto chose to compute, and its loader workers."""
+    flags = ["--amp", args.amp] + ([] if args.channels_last is None else [layout_flag(args.channels_last)])
+    measured = run_script(args, "auto", [str(ROOT / "train_single_gpu.py")], flags)
+    record = json.loads((args.output_dir / "runs" / "auto" / "args.json").read_text())  # what auto chose
+    log = (args.output_dir / "logs" / "auto.log").read_text()
+    workers = int(re.search(r"(\d+) loader workers per process", log).group(1))
+    measured["measure_seconds"] = measuring_seconds(args.img_size, args.batch_size)
+    return measured, Compute(AMP_DTYPES[record["amp"]], record["channels_last"]), workers
+
+
+def layout_flag(channels_last: bool) -> str:
+    return "--channels-last" if channels_last else "--no-channels-last"
+
+
+def measuring_seconds(img_size: int, batch_size: int) -> float | None:
+    """What auto's measuring took in the first single-process run at this size (from the benchmark's own cache of
+    auto's choices); None if that run measured nothing (every choice given by a flag)."""
+    for entry in read_entries(cache_file()):
+        key = entry.get("key", {})
+        if (key.get("img_size"), key.get("batch_size"), key.get("processes_here")) == (img_size, batch_size, 1):
+            return entry["choice"]["seconds"]
+    return None
+
+
+def fixed_rows(args, names: list[str], workers: int, peaks: dict, flops: float) -> list[dict]:
+    """train_single_gpu.py in each fixed precision and layout, with the loader workers auto chose: what auto's
+    choice of precision and layout is compared with."""
+    rows = []
+    for name in names:
+        amp, channels_last = FIXED[name]
+        compute = Compute(AMP_DTYPES[amp], channels_last)
+        flags = ["--amp", amp, layout_flag(channels_last), "--workers", str(workers)]
+        measured = run_script(args, f"fixed-{name}", [str(ROOT / "train_single_gpu.py")], flags)
+        rows.append(row(f"fixed: {short_name(compute)}", "fixed", 1, described(compute), measured,
+                        peaks[peak_name(compute.amp_dtype)], flops))  # fmt: skip
+    return rows
+
+
+def script_rows(args, auto: tuple, nprocs: int, peaks: dict, flops: float) -> list[dict]:
+    """The training scripts end to end: the original's setup, the fixed configurations, the auto row, (unless
+    --skip-ddp) the two DDP launch scripts, and (unless --skip-demo) the demo."""
+    measured, compute, workers = auto
+    single, ours, peak_ours = (
+        [str(ROOT / "train_single_gpu.py")],
+        described(compute),
+        peaks[peak_name(compute.amp_dtype)],
+    )
     original_workers = min(os.cpu_count() or 1, args.batch_size, 8)  # the original's num_workers
     baseline = ["--amp", "off", "--no-channels-last", "--no-persistent-workers", "--workers", str(original_workers)]
     rows = [
         row("baseline: the original's setup", "baseline", 1, "float32, NCHW",
-            run_script(args, "baseline", single, baseline), peak_fp32, flops),
-        row("train_single_gpu.py", "single", 1, ours, run_script(args, "single", single, ours_flags), peak_ours, flops),
+            run_script(args, "baseline", single, baseline), peaks["float32"], flops),
+        *fixed_rows(args, args.fixed, workers, peaks, flops),
+        row("train_single_gpu.py, auto", "single", 1, ours, measured, peak_ours, flops),
     ]  # fmt: skip
+    ours_flags = ["--amp", args.amp] + ([] if args.channels_last is None else [layout_flag(args.channels_last)])
     if not args.skip_ddp:
         torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
         launch = [*torchrun, str(ROOT / "train_multi_gpu_using_launch.py")]
@@ -432,6 +541,12 @@ def script_rows(args, compute, ours: str, nprocs: int, peak_ours: float, peak_fp
             row(f"spawn, {nprocs} processes", "spawn", nprocs, ours,
                 run_script(args, "spawn", spawn, [*ours_flags, "--world-size", str(nprocs)]), peak_ours, flops),
         ]  # fmt: skip
+    if not args.skip_demo:
+        demo = run_script(args, "demo", single, [], demo=True)
+        demo["measure_seconds"] = measuring_seconds(DEMO_DEFAULTS["img_size"], DEMO_DEFAULTS["batch_size"])
+        record = json.loads((args.output_dir / "runs" / "demo" / "args.json").read_text())  # what auto chose
+        chosen = described(Compute(AMP_DTYPES[record["amp"]], record["channels_last"]))
+        rows.append(row("train_single_gpu.py --demo, its first run", "demo", 1, chosen, demo))
     return rows
 
 
@@ -443,35 +558,43 @@ def main(argv=None):
         raise UserError(f"--device {args.device} asked for a GPU but none is visible; use --device cpu")
     if args.startup_sizes:
         return startup_benchmark(args.startup_sizes, args.output_dir, args.device)
+    device = torch.device(args.device)
     nprocs = args.nprocs or (torch.cuda.device_count() if args.device.startswith("cuda") else 2)
+    if args.fixed is None:  # float32 in both layouts; bfloat16 too where auto would consider it
+        args.fixed = [name for name, (amp, _) in FIXED.items() if amp in amp_candidates("auto", device)[0]]
     if args.data_path is None:
         width, height = FLOWER_PHOTOS_SIZE
         folder = ROOT / "data" / f"benchmark_flowers_{width}x{height}_{args.images_per_class}"
         args.data_path = make_demo_data(folder, images_per_class=args.images_per_class, size=FLOWER_PHOTOS_SIZE)
     if (args.output_dir / "runs").exists():
         raise UserError(f"{args.output_dir} already holds a benchmark: choose another --output-dir or remove it")
+    # auto's choices go to the benchmark's own file, empty at the start: each benchmark measures anew, as a first
+    # run does, and never reads or changes the user's
+    os.environ[CACHE_ENV] = str((args.output_dir / "autotune.json").resolve())
 
-    device = torch.device(args.device)
-    compute, summary = choose_compute(args.amp, args.channels_last, device, args.img_size)
-    precision = summary.split(" (")[0].removeprefix("Precision: ")  # e.g. "bfloat16 autocast"
     print(f"Benchmark: {args.img_size} px, batch {args.batch_size}, data {args.data_path}, output {args.output_dir}")
-    print(f"Machine: {describe_machine(args.device)}; {summary}")
-    peaks, flops = measure_peaks(compute, device), training_flops_per_image(args.img_size)
+    print(f"Machine: {describe_machine(args.device)}")
+    split = training_split(args.data_path, args.batch_size)
+    auto = auto_run(args)  # first: the rows below compute as it chose
+    compute, workers = auto[1], auto[2]
+    print(f"auto chose {described(compute)}, {worker_phrase(workers)}; measuring took {auto[0]['measure_seconds']} s")
+    fixed = [Compute(AMP_DTYPES[FIXED[name][0]]) for name in args.fixed]
+    peaks, flops = measure_peaks([compute, *fixed], device), training_flops_per_image(args.img_size)
     print(
         "Matrix-product peak: " + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
         + f"; a training step is {flops / 1e9:.2f} GFLOP per image"
     )  # fmt: skip
-    rows = measure_rows(args, compute, precision, nprocs, peaks, flops, training_split(args.data_path, args.batch_size))
-
+    rows = in_memory_rows(args, compute, peaks, flops) + loader_rows(args, split, workers)
+    rows += script_rows(args, auto, nprocs, peaks, flops)
     benchmark = {
         "machine": describe_machine(args.device),
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "settings": {
             "img_size": args.img_size, "batch_size": args.batch_size, "nprocs": nprocs, "device": args.device,
-            "precision": precision, "channels_last": compute.channels_last, "matmul_peak_flops": peaks,
-            "training_flops_per_image": flops, "data_path": str(args.data_path), "epochs": args.epochs,
-            "steps": args.steps, "loader_images": args.loader_images,
+            "precision": described(compute), "channels_last": compute.channels_last, "workers": workers,
+            "matmul_peak_flops": peaks, "training_flops_per_image": flops, "data_path": str(args.data_path),
+            "epochs": args.epochs, "steps": args.steps, "loader_images": args.loader_images, "fixed": args.fixed,
         },
         "rows": rows,
     }  # fmt: skip
@@ -480,7 +603,8 @@ def main(argv=None):
     plot_benchmark(benchmark, args.output_dir / "benchmark.png")
     print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
     print(markdown_table(rows))
-    print("\n" + "\n".join(against_targets(rows, native_bf16=compute.amp_dtype == torch.bfloat16)))
+    targets = against_targets(rows, native_bf16=compute.amp_dtype == torch.bfloat16) + auto_targets(rows)
+    print("\n" + "\n".join(targets))
     print(f"\nWrote {args.output_dir / 'benchmark.json'} and {args.output_dir / 'benchmark.png'}")
 
 

@@ -1,0 +1,370 @@
+"""What `auto` chooses, by measuring: the precision, the memory layout and the number of loader workers that
+train fastest on this machine, for the run's model, image size and batch size; remembered, so that later runs
+start at once.
+
+--amp, --channels-last and --workers leave these to auto unless given. A given flag always wins and is never
+measured. For the rest, a run times what it may choose between before it trains:
+
+- precision and layout: a few training steps (forward, loss, backward, optimizer step) of the run's model on a
+  synthetic batch of the run's size, in each candidate (plumbing/compute.py compute_candidates: float32, and
+  bfloat16 where the device has its instructions, each in NCHW and channels_last), after an untimed warm-up step
+  (it allocates memory and picks kernels). The steps take turns, so that a machine whose speed drifts (a shared
+  CPU, a GPU warming up) slows every candidate alike, and each keeps its fastest step: one round, and more (up to
+  MAX_ROUNDS) only while the measuring stays within MEASURE_SHARE of the run's training (at the demo's size on 2
+  cores: one round, 8 steps against the demo's 144). The fastest candidate wins.
+- loader workers: the seconds one core takes to load a training image (read, decode, crop, flip, normalise),
+  against the seconds per image of the chosen step. On a GPU the cores only load, so enough workers to load
+  faster than the GPU trains, with room to spare. On the CPU every worker takes a core from the compute threads,
+  so the count whose estimated speed is best (no worker: load, then train; w workers: the slower of loading on w
+  cores and training on the rest). This is estimated from the two measurements, not timed: starting loader
+  processes takes seconds each, more than the few seconds all of this may cost.
+
+The choice is printed, with what was measured, and kept in a small JSON file (cache_file: delete it at will, or
+pass --remeasure) under a key naming the machine (processor, the instruction set torch computes with and the
+environment variables that cap it, the cores this process may use, the GPU), the torch version and the
+configuration (model, image size, batch size, device type, processes sharing the machine, the flags given, the
+data). A run whose key is there starts at once with that choice; any other measures anew.
+
+Under DDP, rank 0 measures (or reads the file) while the other ranks wait, and every rank trains with its choice:
+each step then computes the same thing on every rank, and the ranks do not compete for the cores they share
+while one of them measures. On several machines, rank 0's choice holds on all of them (a job's machines are
+normally alike).
+"""
+
+import datetime
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from filelock import FileLock, Timeout
+
+from model import create_model, freeze_all_but_head
+from multi_train_utils.distributed_utils import broadcast_object, get_world_size, is_main_process, print_once
+from my_dataset import datasets
+from plumbing.compute import (
+    AMP_DTYPES,
+    Compute,
+    amp_candidates,
+    amp_flag,
+    choose_compute,
+    compute_candidates,
+    short_name,
+    summary,
+)
+from plumbing.machine import AVX2_CAPS, available_cores, cores_per_process, cpu_name, torch_cpu_isa, use_cores
+from utils import OutputError, write_json
+
+# Where the choices are kept (a file path), instead of the user's cache folder: for tests, or a shared disk.
+CACHE_ENV = "FLOWERS_AUTOTUNE_CACHE"
+CACHE_VERSION = 1
+ON_WINDOWS = os.name == "nt"
+MAX_ROUNDS = 3  # timed samples per candidate, taken in turns: the fastest of them counts
+MEASURE_SHARE = 0.05  # more than one round only while the measuring stays within this share of the run's training
+SAMPLE_SECONDS = 0.05  # a timed sample is at least this long (several steps where a step is quicker)
+LOAD_IMAGES = 16  # training images loaded to time loading (after one untimed)
+GPU_LOADER_MARGIN = 1.5  # workers enough to load this much faster than the GPU trains (JPEGs vary in size)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How a run trains where flags left it to auto, and what that was decided from: `measured` is each timed
+    candidate's training images per second, `load_ms` one core's milliseconds to load an image, `seconds` what
+    the measuring took, `lines` what the run printed about it."""
+
+    amp: str
+    channels_last: bool
+    workers: int
+    measured: dict = field(default_factory=dict)
+    load_ms: float | None = None
+    seconds: float = 0.0
+    date: str = ""
+    lines: tuple = ()
+
+    @property
+    def compute(self) -> Compute:
+        return Compute(AMP_DTYPES[self.amp], self.channels_last)
+
+
+def tune(config, plan, device: torch.device, processes_here: int) -> tuple[int, Compute]:
+    """This process's loader workers and how it computes: what the flags give, the rest measured on this machine
+    (or remembered from an earlier run), the same on every rank. Sets this process's compute threads on the CPU
+    (its share of the cores, less its loader workers) and prints the choice."""
+    if config.amp != "auto" and config.channels_last is not None and config.workers is not None:
+        workers = use_cores(device, processes_here, config.batch_size, config.workers)
+        compute, line = choose_compute(config.amp, config.channels_last, device)
+        print_once(line)
+        return workers, compute
+    threads = share_cores(device, processes_here, config)
+    choice = cached_or_measured(config, plan, device, processes_here) if is_main_process() else None
+    choice = broadcast_object(choice)  # DDP: every rank trains as rank 0 chose; the others waited here
+    workers = choice.workers if config.workers is None else config.workers
+    if device.type == "cpu" and config.workers is None:
+        torch.set_num_threads(max(1, threads - workers))  # the workers' cores are taken from the compute threads
+    for line in choice.lines:
+        print_once(line)
+    print_once(summary(choice.compute, *reasons(config, device)))
+    return workers, choice.compute
+
+
+def share_cores(device: torch.device, processes_here: int, config) -> int:
+    """Set this process's compute threads for measuring (on the CPU: its whole share when the workers are left to
+    auto, which takes theirs away afterwards; else as for --workers) and return them."""
+    if config.workers is not None:
+        use_cores(device, processes_here, config.batch_size, config.workers)
+    elif device.type == "cpu":
+        torch.set_num_threads(cores_per_process(processes_here))
+    return torch.get_num_threads()
+
+
+def reasons(config, device: torch.device) -> tuple[str, str]:
+    """Why the precision and the layout are what they are: a flag, the only candidate, or the fastest measured."""
+    candidates, amp_reason = amp_candidates(config.amp, device)
+    if config.amp == "auto" and len(candidates) > 1:
+        amp_reason = "--amp auto: the fastest measured"
+    if config.channels_last is None:
+        return amp_reason, "auto: the fastest measured"
+    return amp_reason, "--channels-last" if config.channels_last else "--no-channels-last"
+
+
+def cached_or_measured(config, plan, device: torch.device, processes_here: int) -> Choice:
+    """The choice remembered for this machine and configuration, else (or with --remeasure) a new one, measured
+    and remembered."""
+    path, key = cache_file(), cache_key(config, plan, device, processes_here)
+    if not config.remeasure:
+        cached = remembered(path, key)
+        if cached is not None:
+            return cached
+    choice = measure(config, plan, device, processes_here)
+    if not choice.measured:
+        return choice  # nothing was left to measure here (one candidate, no core to spare for a loader)
+    kept = remember(path, key, choice)
+    where = f"remembered in {path} (delete it, or pass --remeasure, to measure again)" if kept else kept_not(path)
+    return Choice(**{**asdict(choice), "lines": (*choice.lines, f"Auto: {where}")})
+
+
+def measure(config, plan, device: torch.device, processes_here: int) -> Choice:
+    """Time the candidates (precision, layout) the flags leave open, then the loading, and choose."""
+    start = time.perf_counter()
+    candidates = compute_candidates(config.amp, config.channels_last, device)
+    share = torch.get_num_threads() if device.type == "cpu" else cores_per_process(processes_here)
+    workers_to_choose = config.workers is None and (device.type != "cpu" or share > 1)
+    if len(candidates) == 1 and not workers_to_choose:
+        return Choice(amp_flag(candidates[0]), candidates[0].channels_last, config.workers or 0)
+    seconds = time_candidates(candidates, config, plan, device)
+    speeds = {candidate: 1 / seconds[candidate] for candidate in candidates}
+    fastest = max(speeds, key=speeds.get)
+    lines = [measured_line(speeds, config, device)]
+    workers, load_ms = config.workers or 0, None
+    if workers_to_choose:
+        load = time_loading(plan.split, config)
+        workers, why = choose_workers(device, share, 1 / speeds[fastest], load)
+        lines.append(f"Auto: {why}")
+        load_ms = round(load * 1000, 3)
+    elapsed = round(time.perf_counter() - start, 2)
+    chose = f"chose {short_name(fastest)}, the fastest" if len(candidates) > 1 else f"{short_name(fastest)} as given"
+    lines.append(f"Auto: {chose}; measuring took {elapsed:.1f} s")
+    return Choice(
+        amp_flag(fastest), fastest.channels_last, workers, {short_name(c): round(s, 2) for c, s in speeds.items()},
+        load_ms, elapsed, datetime.date.today().isoformat(), tuple(lines),
+    )  # fmt: skip
+
+
+def measured_line(speeds: dict, config, device: torch.device) -> str:
+    where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
+    figures = ", ".join(f"{short_name(candidate)} {speed:.1f}" for candidate, speed in speeds.items())
+    return (
+        f"Auto: timed training steps of {config.model} at {config.img_size} px, batch {config.batch_size}, on "
+        f"{device.type} ({where}), in img/s: {figures}"
+    )
+
+
+def time_candidates(candidates: list[Compute], config, plan, device: torch.device) -> dict:
+    """Seconds per image of a training step of the run's model in each candidate, on a synthetic batch of the
+    run's size: the fastest of its timed steps, taken in turns (take_turns) after one untimed step each (two on a
+    GPU, whose first step also sets up its libraries). The run's random state is left as it was."""
+    num_classes = len(plan.split.classes)
+    # What this process will train: its share of the training images, every epoch
+    images = config.epochs * len(plan.split.train_images) / get_world_size()
+    # The model's initial weights (and dropout, in models that have it) draw from the global generators
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model = create_model(num_classes, config.model)
+        if config.freeze_layers:
+            freeze_all_but_head(model, config.model)
+        steps = stepper(model.to(device).train(), candidates, config.batch_size, config.img_size, num_classes, device)
+        best = take_turns(steps, candidates, 1 if device.type == "cpu" else 2, images / config.batch_size)
+    del model, steps
+    if device.type == "cuda":  # the run's own memory figures should not include the measuring
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return {candidate: seconds / config.batch_size for candidate, seconds in best.items()}
+
+
+def take_turns(steps, candidates: list[Compute], warm_up: int, run_steps: float) -> dict:
+    """The fastest step of each candidate, in seconds: `warm_up` untimed steps each, then rounds of timed samples
+    (a step, or several where a step is quicker than SAMPLE_SECONDS), one per candidate in turn. The first round
+    always; more, up to MAX_ROUNDS, while the measuring stays within MEASURE_SHARE of the `run_steps` training
+    steps the run will take (at the fastest speed so far): a short run measures briefly, a long one closer."""
+    start = time.perf_counter()
+    warmed = {candidate: [steps(candidate, 1) for _ in range(warm_up)][-1] for candidate in candidates}
+    count = {candidate: max(1, math.ceil(SAMPLE_SECONDS / seconds)) for candidate, seconds in warmed.items()}
+    best = {candidate: math.inf for candidate in candidates}
+    for _ in range(MAX_ROUNDS):
+        round_start = time.perf_counter()
+        for candidate in candidates:
+            best[candidate] = min(best[candidate], steps(candidate, count[candidate]) / count[candidate])
+        now = time.perf_counter()
+        if now - start + (now - round_start) > MEASURE_SHARE * run_steps * min(best.values()):
+            break  # another round would take the measuring past its share of the run
+    return best
+
+
+def stepper(model, candidates: list[Compute], batch_size: int, img_size: int, num_classes: int, device):
+    """steps(candidate, count): the seconds `count` training steps of `model` take in `candidate`, on one
+    synthetic batch. The optimizer is plain SGD: momentum or AdamW would add the same cost to every candidate
+    (the weights are float32 in all of them), and their state would keep the layout of the first candidate."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, img_size, img_size, generator=generator)
+    labels = torch.randint(0, num_classes, (batch_size,), generator=generator).to(device)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    scalers = {candidate: candidate.grad_scaler(device) for candidate in candidates}
+
+    def steps(candidate: Compute, count: int) -> float:
+        model.to(memory_format=candidate.memory_format)  # in place; nothing to do when the layout is the same
+        batch = candidate.batch_to(images, device)
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(count):
+            training_step(model, optimizer, scalers[candidate], candidate, batch, labels)
+        synchronize(device)
+        return time.perf_counter() - start
+
+    return steps
+
+
+def training_step(model, optimizer, scaler, compute: Compute, images, labels) -> torch.Tensor:
+    """One training step as train_one_epoch takes it: forward under autocast, cross-entropy, the scaled backward
+    pass, the optimizer's step. Returns the loss (reading it makes the CPU wait for the device)."""
+    with compute.autocast(images.device):
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the device has finished the work queued on it (the CPU computes as it is asked)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_loading(split, config) -> float:
+    """Seconds one core takes to load one training image as a loader worker does (read the file, decode, crop,
+    flip, normalise): a worker computes with one thread, so this does too. The mean over LOAD_IMAGES images
+    after an untimed first one (it opens the first file, imports image plug-ins)."""
+    train_set = datasets(split, config)[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_set[(0, 0)]
+        count = min(LOAD_IMAGES, len(train_set))
+        start = time.perf_counter()
+        for index in range(count):
+            train_set[(index, index)]  # (index, augmentation seed), as the loader asks
+        return (time.perf_counter() - start) / count
+    finally:
+        torch.set_num_threads(threads)
+
+
+def choose_workers(device: torch.device, share: int, step: float, load: float) -> tuple[int, str]:
+    """(loader workers, why) for a process with `share` cores, from the seconds per image of a training step on
+    them (`step`) and of loading an image on one core (`load`); see the top of this file."""
+    measured = f"loading a training image takes {load * 1000:.1f} ms of one core, training on it {step * 1000:.1f} ms"
+    if device.type != "cpu":  # the cores only load: enough workers to keep ahead of the GPU, one core left to drive it
+        workers = max(1, min(max(1, share - 1), math.ceil(GPU_LOADER_MARGIN * load / step)))
+        return workers, f"{measured}: {workers} loader workers keep ahead of it"
+
+    def per_image(workers: int) -> float:  # estimated seconds per image with `workers` of the share's cores loading
+        return load + step if workers == 0 else max(load / workers, step * share / (share - workers))
+
+    workers = min(range(share), key=per_image)
+    estimate = ", ".join(f"{w} workers {1 / per_image(w):.0f} img/s" for w in sorted({0, 1, workers}))
+    return workers, f"{measured} on {share} threads: {workers} loader workers (estimated: {estimate})"
+
+
+def cache_file() -> Path:
+    """The file of remembered choices: $FLOWERS_AUTOTUNE_CACHE if set; else in the user's cache folder (Windows:
+    %LOCALAPPDATA%; elsewhere $XDG_CACHE_HOME, by default ~/.cache)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    if ON_WINDOWS:
+        base = os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local"
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "flower-training" / "autotune.json"
+
+
+def cache_key(config, plan, device: torch.device, processes_here: int) -> dict:
+    """What a remembered choice holds for: the machine as torch computes on it, torch, and the configuration."""
+    machine = {
+        "cpu": cpu_name(),
+        "torch_cpu_isa": torch_cpu_isa(),
+        "isa_caps": {name: os.environ[name] for name in AVX2_CAPS if name in os.environ},
+        "cores": available_cores(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+    }
+    run = {name: getattr(config, name) for name in ("model", "img_size", "batch_size", "freeze_layers")}
+    run |= {name: getattr(config, name) for name in ("amp", "channels_last", "workers", "auto_augment")}
+    run |= {"device": device.type, "processes_here": processes_here, "data": str(Path(plan.data_path).resolve())}
+    return machine | run
+
+
+def remembered(path: Path, key: dict) -> Choice | None:
+    """The choice the file holds for `key`, with the line saying so; None if it holds none (or is unreadable)."""
+    entry = next((entry for entry in read_entries(path) if entry.get("key") == key), None)
+    try:
+        choice = Choice(**entry["choice"])
+        if choice.amp not in AMP_DTYPES or choice.workers < 0:
+            raise ValueError(choice)
+    except (TypeError, KeyError, ValueError):  # no entry, or one that is not a choice (edited by hand?)
+        return None
+    line = (
+        f"Auto: {short_name(choice.compute)}, {choice.workers} loader workers, as measured on {choice.date} for "
+        f"this machine and configuration ({path}; --remeasure measures again)"
+    )
+    return Choice(**{**asdict(choice), "lines": (line,)})
+
+
+def read_entries(path: Path) -> list:
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or not JSON: as good as empty (remember() rewrites it)
+        return []
+    return cache.get("entries", []) if isinstance(cache, dict) and cache.get("version") == CACHE_VERSION else []
+
+
+def remember(path: Path, key: dict, choice: Choice) -> bool:
+    """Add (or replace) the choice for `key` in the file: under a lock, so that runs starting together all keep
+    theirs, and written whole or not at all (utils.write_atomically). False if the file cannot be written (the
+    run trains all the same)."""
+    entry = {"key": key, "choice": {**asdict(choice), "lines": []}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{path}.lock", timeout=60):
+            entries = [old for old in read_entries(path) if old.get("key") != key]
+            write_json(path, {"version": CACHE_VERSION, "entries": [*entries, entry]})
+    except (OSError, OutputError, Timeout):
+        return False
+    return True
+
+
+def kept_not(path: Path) -> str:
+    return f"could not remember this in {path} (not writable): the next run measures again"
