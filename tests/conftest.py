@@ -38,6 +38,8 @@ PINNED = [*PINNED_COMPUTE, "--workers", "0"]
 FAST = ["--img-size", "32", "--batch-size", "8", *PINNED]
 FAULTS = ROOT / "tests" / "fault_injection"
 REFERENCE_FLAGS = ("--epochs", "4", "--seed", "0", *FAST)
+# A run stopped after its first of 2 epochs (stopped_run); a test resuming it gives the same flags.
+STOPPED_FLAGS = ("--epochs", "2", *FAST)
 # Two DDP epochs in float32 on any CPU (--amp off: bfloat16 where native would make runs differ between machines).
 DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST, "--amp", "off")
 
@@ -242,6 +244,31 @@ def reference_run(tiny_data, shared_tmp):
         return out
 
     return made_once(shared_tmp, "reference_run", make)
+
+
+@pytest.fixture(scope="session")
+def stopped_run(tiny_data, shared_tmp):
+    """A single-process run on tiny_data (STOPPED_FLAGS: 2 epochs) that stopped after its first epoch's checkpoint
+    (an injected failure at the start of epoch 1), as after a crash: its folder. Shared by the tests that resume it
+    or refuse to: each works on its own copy (copy_run), so that the suite trains it once."""
+
+    def make(folder):
+        out = folder / "run"
+        stopped = run_script(
+            "train_single_gpu.py", "--data-path", tiny_data, *STOPPED_FLAGS, "--output-dir", out,
+            env=fault_env("raise:0:1"),
+        )  # fmt: skip
+        assert stopped.returncode != 0 and "injected failure on rank 0 at epoch 1" in stopped.stderr, stopped.stderr
+        assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] == 0
+        return out
+
+    return made_once(shared_tmp, "stopped_run", make)
+
+
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    """A copy of the run folder `run` at tmp_path/run, for a test to resume or change on its own."""
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
 
 
 # ---------------------------------------------------------------------------------------------------------------

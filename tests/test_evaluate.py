@@ -149,19 +149,19 @@ def test_all_evaluates_every_image_of_the_data_folder_into_the_run_folder(learna
         (data / class_folder.name).mkdir(parents=True)
         for image in list_images(class_folder)[:3]:
             (data / class_folder.name / image.name).symlink_to(image)
-    result = run_script("evaluate.py", "--weights", run_copy / "weights" / "best.pth", "--data-path", data, "--all")
-    assert result.returncode == 0, result.stderr
+    # In this process: evaluate.py's command line as a user runs it is last_epoch_evaluation's.
+    evaluate.main.__wrapped__(["--weights", str(run_copy / "weights" / "best.pth"), "--data-path", str(data), "--all"])
     report = json.loads((run_copy / "eval" / "eval.json").read_text())  # default --output-dir: RUN/eval
     assert report["total"] == 15 and report["split"] == {"images": "all", "data_path": str(data)}
     assert (run_copy / "eval" / "confusion_matrix.png").is_file()
 
 
-def test_data_with_other_classes_is_refused_and_nothing_is_written(learnable_data, run_copy, tmp_path):
+def test_data_with_other_classes_is_refused_and_nothing_is_written(learnable_data, run_copy, tmp_path, run_main):
     data = tmp_path / "four_classes"
     data.mkdir()
     for class_folder in sorted(learnable_data.iterdir())[:4]:
         (data / class_folder.name).symlink_to(class_folder)
-    result = run_script("evaluate.py", "--weights", run_copy / "weights" / "best.pth", "--data-path", data)
+    result = run_main("evaluate.py", "--weights", run_copy / "weights" / "best.pth", "--data-path", data)
     assert_user_error(result, "was trained on classes ['daisy', 'dandelion', 'roses', 'sunflowers', 'tulips']")
     assert not (run_copy / "eval").exists()
 
@@ -198,11 +198,12 @@ def six_classes(tmp_path_factory):
     return data, folder / "six.pth", folder / "class_indices.json"
 
 
-def test_with_six_classes_eval_json_has_the_top5_accuracy_of_the_networks_logits(six_classes, tmp_path):
+def test_with_six_classes_eval_json_has_the_top5_accuracy_of_the_networks_logits(six_classes, tmp_path, capsys):
     data, weights, class_indices = six_classes
     flags = ["--class-indices", class_indices, "--data-path", data, "--img-size", "32", "--batch-size", "4"]
-    result = run_script("evaluate.py", "--weights", weights, *flags, "--workers", "0", "--output-dir", tmp_path)
-    assert result.returncode == 0, result.stderr
+    argv = ["--weights", weights, *flags, "--workers", "0", "--output-dir", tmp_path]
+    evaluate.main.__wrapped__([str(arg) for arg in argv])  # in this process, as test_all_... runs it
+    printed = capsys.readouterr().out
     report = json.loads((tmp_path / "eval.json").read_text())
 
     split = read_split_data(data, 0.2, 0)  # the defaults, as evaluate.py splits without the run's flags
@@ -215,5 +216,5 @@ def test_with_six_classes_eval_json_has_the_top5_accuracy_of_the_networks_logits
     in_top5 = int((logits.topk(5, dim=1).indices == labels[:, None]).any(dim=1).sum())
     assert report["total"] == len(labels) == 12 and report["correct"] == int((logits.argmax(dim=1) == labels).sum())
     assert report["top5_correct"] == in_top5 and report["top5_accuracy"] == in_top5 / 12
-    assert f"top-5 accuracy {in_top5 / 12:.3f} ({in_top5}/12)" in result.stdout, result.stdout
+    assert f"top-5 accuracy {in_top5 / 12:.3f} ({in_top5}/12)" in printed, printed
     assert set(report["per_class"]["zinnias"]) == {"precision", "recall", "f1", "support"}

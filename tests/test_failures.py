@@ -13,7 +13,9 @@ from conftest import (
     FAST,
     REFERENCE_FLAGS,
     ROOT,
+    STOPPED_FLAGS,
     assert_user_error,
+    copy_run,
     fault_env,
     final_weights,
     metrics_without_timings,
@@ -73,15 +75,16 @@ def test_a_run_killed_after_epoch_2_and_resumed_ends_bitwise_as_an_uninterrupted
     assert metrics_without_timings(out) == metrics_without_timings(reference_run)  # every epoch once
 
 
-def test_a_resume_that_would_change_the_recipe_is_refused_and_leaves_the_run_as_it_was(tiny_data, tmp_path, run_main):
-    out = tmp_path / "run"
-    flags = ("--data-path", tiny_data, "--epochs", "2", *FAST)
-    stopped = run_script("train_single_gpu.py", *flags, "--output-dir", out, env=fault_env("raise:0:1"))
-    assert stopped.returncode != 0 and load_checkpoint(out / "checkpoint.pth")["epoch"] == 0
+def test_a_resume_that_would_change_the_recipe_is_refused_and_leaves_the_run_as_it_was(
+    tiny_data, stopped_run, tmp_path, run_main
+):
+    out = copy_run(stopped_run, tmp_path)  # 2 epochs (STOPPED_FLAGS), stopped after epoch 0
+    flags = ("--data-path", tiny_data, *STOPPED_FLAGS)
+    assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 0
     before = {path: path.read_bytes() for path in (out / "checkpoint.pth", out / "metrics.jsonl")}
 
     # A longer schedule (and another rate) would bend the learning rate of the epochs still to come.
-    refused = run_script(
+    refused = run_main(
         "train_single_gpu.py", *flags, "--epochs", "3", "--lr", "0.5", "--resume", out / "checkpoint.pth"
     )
     assert_user_error(refused, "--epochs 2 (not 3), --lr 0.001 (not 0.5)")

@@ -19,7 +19,6 @@ multi-machine command, on one machine): each process is LOCAL_RANK 0, so both ta
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import uuid
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, ROOT, fault_env, run_nodes, run_script, script_command, torchrun
+from conftest import FAST, ROOT, copy_run, fault_env, run_nodes, run_script, script_command, torchrun
 
 from multi_train_utils.spawn_utils import find_free_port
 
@@ -169,11 +168,6 @@ def resume(data, checkpoint: Path, *flags, env=None) -> subprocess.CompletedProc
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Resuming from" in result.stdout
     return result
-
-
-def copy_run(run: Path, tmp_path: Path) -> Path:
-    shutil.copytree(run, tmp_path / "run")
-    return tmp_path / "run"
 
 
 def probe_env(tmp_path: Path) -> tuple[dict, Path]:

@@ -148,13 +148,14 @@ ONE_EPOCH = '{"epoch": 0, "train_loss": 1.5, "val_acc": 0.5, "lr": 0.1}'
     ],
     ids=["missing", "no-metrics", "empty", "malformed", "missing-keys", "no-rows", "not-a-number"],
 )
-def test_unusable_inputs_are_one_line_and_exit_2_and_overwrite_nothing(tmp_path, files, argument, fragment):
+@pytest.mark.fast
+def test_unusable_inputs_are_one_line_and_exit_2_and_overwrite_nothing(tmp_path, run_main, files, argument, fragment):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     existing = tmp_path / "precious.png"
     existing.write_bytes(b"not ours")
-    result = run_script("plot_results.py", tmp_path / argument, "--output", existing)
+    result = run_main("plot_results.py", tmp_path / argument, "--output", existing)
     assert_user_error(result, fragment)
     assert existing.read_bytes() == b"not ours"
 
@@ -167,9 +168,11 @@ def test_unusable_inputs_are_one_line_and_exit_2_and_overwrite_nothing(tmp_path,
         (["--labels", "only-one", "too-many"], "--labels gives 2 name(s) for 1 run folder(s)"),
     ],
 )
-def test_bad_output_or_labels_are_one_line_and_exit_2(tmp_path, flags, fragment):
+@pytest.mark.fast
+def test_bad_output_or_labels_are_one_line_and_exit_2(tmp_path, monkeypatch, run_main, flags, fragment):
     run = write_run(tmp_path / "run", 1)
     before = (run / "metrics.jsonl").read_text()
-    assert_user_error(run_script("plot_results.py", run, *flags, cwd=run), fragment)
+    monkeypatch.chdir(run)  # --output's relative paths from the run folder, as from a shell there
+    assert_user_error(run_main("plot_results.py", run, *flags), fragment)
     assert (run / "metrics.jsonl").read_text() == before
     assert not (run / "training_curves.png").exists()

@@ -1,5 +1,7 @@
 """predict.py: each image's likeliest classes by name, from the weights of a trained run, as a user runs it."""
 
+import contextlib
+import io
 import json
 import shutil
 
@@ -98,7 +100,8 @@ def test_the_probabilities_are_the_networks_softmax(trained_run, run_args, best_
 @pytest.fixture(scope="module")
 def folder_run(trained_run, tmp_path_factory, validation_images):
     """predict.py on a folder with a sub-folder, other files and a hidden folder, with --topk 9, and weights that
-    are a checkpoint.pth on its own: no class_indices.json or args.json beside it or above it."""
+    are a checkpoint.pth on its own: no class_indices.json or args.json beside it or above it. In this process (the
+    command line as a user runs it is best_predictions'; another interpreter would only add its start-up)."""
     tmp = tmp_path_factory.mktemp("predict_folder")
     photos = tmp / "photos"
     for index, relative in enumerate(["a.jpg", "b.PNG", "more/c.jpeg", ".hidden/d.jpg"]):
@@ -107,9 +110,9 @@ def folder_run(trained_run, tmp_path_factory, validation_images):
     (photos / "notes.txt").write_text("not an image")
     (tmp / "alone").mkdir()
     (tmp / "alone" / "checkpoint.pth").symlink_to(trained_run[0] / "checkpoint.pth")
-    result = run_script("predict.py", photos, "--weights", tmp / "alone" / "checkpoint.pth", "--topk", "9")
-    assert result.returncode == 0, result.stderr
-    return photos, parse_predictions(result.stdout)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        predict.main([str(photos), "--weights", str(tmp / "alone" / "checkpoint.pth"), "--topk", "9"])
+    return photos, parse_predictions(printed.getvalue())
 
 
 def test_a_folder_is_searched_with_its_sub_folders_one_line_per_image(folder_run):
@@ -131,8 +134,8 @@ def test_a_checkpoint_on_its_own_carries_its_class_names_and_image_size(trained_
         assert dict(ranked) == pytest.approx(dict(zip(state["classes"], probabilities.tolist(), strict=True)), abs=6e-4)
 
 
-def test_a_path_that_does_not_exist_is_one_line_and_exit_2(trained_run, tmp_path):
-    result = run_script("predict.py", tmp_path / "absent.jpg", "--weights", trained_run[0] / "weights" / "best.pth")
+def test_a_path_that_does_not_exist_is_one_line_and_exit_2(trained_run, tmp_path, run_main):
+    result = run_main("predict.py", tmp_path / "absent.jpg", "--weights", trained_run[0] / "weights" / "best.pth")
     assert_user_error(result, f"{tmp_path / 'absent.jpg'} does not exist")
 
 

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DDP_FLAGS, FAST, ROOT, assert_user_error, fault_env, run_script, torchrun
+from conftest import DDP_FLAGS, ROOT, STOPPED_FLAGS, assert_user_error, copy_run, run_script, torchrun
+from filelock import FileLock
 
 from my_dataset import DataSplit, split_fingerprint
 from plumbing.checkpoint import load_checkpoint
@@ -28,13 +29,17 @@ def holding(folder: Path):
         held_run_folders.pop(folder.resolve()).release()
 
 
-def stopped_run(data: Path, out: Path) -> None:
-    """A 2-epoch run on `data` that stopped (an injected failure) after its first epoch's checkpoint."""
-    stopped = run_script(
-        "train_single_gpu.py", "--data-path", data, "--epochs", "2", *FAST, "--output-dir", out,
-        env=fault_env("raise:0:1"),
-    )  # fmt: skip
-    assert stopped.returncode != 0 and load_checkpoint(out / "checkpoint.pth")["epoch"] == 0, stopped.stderr
+@contextlib.contextmanager
+def held_by_another_run(folder: Path):
+    """`folder` locked as another run's hold_run_folder locks it (a FileLock of its own on the folder's lock file;
+    held_run_folders, this process's record of what it holds, does not list it), until the end of the with block:
+    a script's main called in this process then finds it held, as a second run started from a shell does."""
+    lock = FileLock(folder / RUN_LOCK, timeout=0)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def files_of(folder: Path) -> dict:
@@ -46,15 +51,16 @@ def files_of(folder: Path) -> dict:
     }
 
 
-def test_a_run_into_a_folder_another_run_holds_is_refused_and_leaves_it_as_it_was(tiny_data, tmp_path):
-    out = tmp_path / "run"
-    stopped_run(tiny_data, out)
+def test_a_run_into_a_folder_another_run_holds_is_refused_and_leaves_it_as_it_was(
+    tiny_data, stopped_run, tmp_path, run_main
+):
+    out = copy_run(stopped_run, tmp_path)  # a run stopped after epoch 0
     before = files_of(out)
-    flags = ("--data-path", tiny_data, "--epochs", "2", *FAST, "--output-dir", out)
-    with holding(out):
+    flags = ("--data-path", tiny_data, *STOPPED_FLAGS, "--output-dir", out)
+    with held_by_another_run(out):  # the refusals in this process: the same main and error line, no start-up
         for refused in (
-            run_script("train_single_gpu.py", *flags),
-            run_script("train_single_gpu.py", *flags, "--auto-resume"),
+            run_main("train_single_gpu.py", *flags),
+            run_main("train_single_gpu.py", *flags, "--auto-resume"),
         ):
             assert_user_error(refused, f"{out} is in use by another run")
             assert "wait for that run to end, or choose another --output-dir" in refused.stderr
@@ -98,12 +104,11 @@ def test_the_lock_of_a_run_folder_ends_with_the_process_that_held_it(tmp_path):
 
 
 def test_a_resume_on_data_that_lost_or_gained_images_is_refused_and_one_on_moved_data_continues(
-    tiny_data, tmp_path, run_main
+    tiny_data, stopped_run, tmp_path, run_main
 ):
-    data, out = tmp_path / "data", tmp_path / "run"
+    data, out = tmp_path / "data", copy_run(stopped_run, tmp_path)  # a run on tiny_data, stopped after epoch 0
     shutil.copytree(tiny_data, data)  # tiny_data is the whole session's: this test changes its own copy
-    stopped_run(data, out)
-    resume = ("train_single_gpu.py", "--epochs", "2", *FAST, "--resume", out / "checkpoint.pth")
+    resume = ("train_single_gpu.py", *STOPPED_FLAGS, "--resume", out / "checkpoint.pth")
 
     lost = data / "daisy" / "daisy_0000.jpg"
     lost.rename(tmp_path / lost.name)

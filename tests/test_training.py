@@ -206,8 +206,9 @@ def test_out_of_range_numbers_are_one_line_and_exit_2(tiny_data, run_main, flags
     assert_user_error(run_main("train_single_gpu.py", "--data-path", tiny_data, *flags), fragment)
 
 
-def test_no_data_path_is_one_line_and_exit_2(tmp_path):
-    assert_user_error(run_script("train_single_gpu.py", cwd=tmp_path), "--data-path")
+def test_no_data_path_is_one_line_and_exit_2(tmp_path, monkeypatch, run_main):
+    monkeypatch.chdir(tmp_path)  # a folder without the default data folder, as a user's shell might be in
+    assert_user_error(run_main("train_single_gpu.py"), "--data-path")
 
 
 def test_an_output_dir_holding_a_run_is_never_overwritten(tiny_data, tmp_path, run_main):
@@ -219,9 +220,9 @@ def test_an_output_dir_holding_a_run_is_never_overwritten(tiny_data, tmp_path, r
     assert (out / "metrics.jsonl").read_text() == "precious\n"
 
 
-def test_boolean_flags_are_real_booleans(tiny_data, tmp_path):
+def test_boolean_flags_are_real_booleans(tiny_data, run_main):
     # The original's type=bool turned "--freeze-layers False" into True; here it is refused...
-    result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--freeze-layers", "False", *FAST)
+    result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--freeze-layers", "False", *FAST)
     assert_user_error(result, "unrecognized arguments: False")
     # ...and --no-freeze-layers / --freeze-layers say what they mean.
     from plumbing.config import parse_config
