@@ -92,7 +92,10 @@ class ImageCheck:
         Called by the process that writes the run's files, once it holds the folder (plan.prepare)."""
         if not self.unsaved:
             return
-        record = {"format": FORMAT, "root": str(self.root), "images": self.verdicts}
+        # Merged with the verdicts already there: under torchrun the ranks check before rank 0 holds the folder, so
+        # a run that is then refused (another run holds it) must not take that run's verdicts away.
+        verdicts = read_verdicts(folder) | self.verdicts if self.shared else self.verdicts
+        record = {"format": FORMAT, "root": str(self.root), "images": verdicts}
         text = json.dumps(record, separators=(",", ":"))
         write_atomically(folder / CHECKED_IMAGES, lambda f: f.write(text))
         self.unsaved = False
