@@ -295,6 +295,7 @@ LONGEST_FIRST = (
     "test_failures.py",  # 150 s
     "test_training.py",  # 130 s, trained_run, torchrun_run and spawn_run included (the files after it share them)
     "test_guarantees_on_avx2.py",  # 120 s
+    "test_preemption.py",  # six runs stopped and resumed; reference_run, torchrun_run and spawn_run
     "test_recipe_runs.py",  # 75 s
     "test_benchmark.py",  # 50 s
     "test_equivalence.py",  # 50 s

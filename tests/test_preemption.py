@@ -41,7 +41,6 @@ def stop_and_resume(script: str, flags: tuple, out, fault: str) -> tuple:
     return stopped, state, resumed
 
 
-@pytest.mark.guarantee
 def test_sigusr1_stops_one_process_at_a_step_and_the_resumed_run_ends_bitwise_as_the_uninterrupted_one(
     tiny_data, tmp_path, reference_run
 ):
