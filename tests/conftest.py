@@ -290,19 +290,20 @@ def pytest_xdist_auto_num_workers(config):
 # The workers take the files in the order of the collection (pytest_configure turns off xdist's own order, by
 # number of tests, which started the one-test files, two of the longest, last of all), and a worker takes the next
 # file when its own are nearly done: the longest files first, longest first, so that the workers end together.
-# By each file's CPU time in one process on one core (2026-11-24); the files not named follow in name order.
+# By each file's CPU time alone in one process on one core (2026-11-24, a file's shared runs included); the
+# files not named follow in name order.
 LONGEST_FIRST = (
-    "test_failures.py",  # 150 s
-    "test_training.py",  # 130 s, trained_run, torchrun_run and spawn_run included (the files after it share them)
-    "test_guarantees_on_avx2.py",  # 120 s
-    "test_preemption.py",  # six runs stopped and resumed; reference_run, torchrun_run and spawn_run
-    "test_recipe_runs.py",  # 75 s
-    "test_benchmark.py",  # 50 s
-    "test_equivalence.py",  # 50 s
-    "test_portability.py",  # 50 s
-    "test_filesystem.py",  # 45 s
-    "test_run_folder.py",  # 45 s
-    "test_multinode.py",  # 30 s and torchrun_run
+    "test_guarantees_on_avx2.py",  # 200 s
+    "test_failures.py",  # 180 s, reference_run and stopped_run included
+    "test_training.py",  # 140 s, trained_run, torchrun_run and spawn_run included (files after it share them)
+    "test_preemption.py",  # 140 s, with reference_run, torchrun_run and spawn_run
+    "test_multinode.py",  # 105 s, with torchrun_run
+    "test_recipe_runs.py",  # 90 s
+    "test_equivalence.py",  # 80 s
+    "test_benchmark.py",  # 75 s
+    "test_portability.py",  # 60 s
+    "test_filesystem.py",  # 55 s
+    "test_run_folder.py",  # 45 s, with stopped_run
 )
 
 
