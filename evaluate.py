@@ -127,7 +127,7 @@ def scores_report(classes: list[str], confusion: torch.Tensor, scores: dict, in_
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
-    trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device))
+    trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device), args.model)
     data_path = trained.setting("data_path", args.data_path)
     if data_path is None:
         raise UserError(f"no data: give --data-path (the flags of the run of {args.weights} were not found)")

@@ -226,7 +226,7 @@ def main(argv=None):
         raise UserError(f"--data-path {args.data_path} is not a folder")
     if args.format == "onnx" and importlib.util.find_spec("onnxscript") is None:
         raise UserError("ONNX export needs onnxscript (and onnx): pip install onnx onnxscript onnxruntime")
-    trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device))
+    trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device), args.model)
     img_size = trained.setting("img_size", args.img_size)
     # float32 and NCHW whatever the run's --amp and --channels-last: no autocast here, and contiguous weights
     model = trained.model.float().to(memory_format=torch.contiguous_format)

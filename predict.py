@@ -50,7 +50,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     images = find_images(args.images)
-    trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device))
+    trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device), args.model)
     topk = min(args.topk, len(trained.classes))
     # The dataset's "label" of each image is its position in `images`, to name the file when its batch comes back.
     loader = image_loader(trained, args, images, list(range(len(images))))

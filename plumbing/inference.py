@@ -71,13 +71,16 @@ def class_names(indices, path: Path) -> list[str]:
     return [indices[str(i)] for i in range(len(indices))]
 
 
-def load_trained_model(weights: Path, class_indices: Path | None, device: torch.device) -> TrainedModel:
+def load_trained_model(
+    weights: Path, class_indices: Path | None, device: torch.device, architecture: str | None = None
+) -> TrainedModel:
     """The network of a weights file (best.pth, last.pth, model-N.pth or a run's checkpoint.pth) with its class
     names.
 
     Class names come from `class_indices` if given, else from the run's class_indices.json, else from the
     checkpoint's "classes"; the run's flags from its args.json, else from the checkpoint's "args". The weights must
-    fit exactly: the run's --model (ResNet-34 for runs that do not say) with one output per class name.
+    fit exactly: `architecture` if given, else the run's --model (ResNet-34 for runs that do not say), with one
+    output per class name.
     """
     state_dict = read_state_dict(weights)
     indices_file = class_indices or run_file(weights, "class_indices.json")
@@ -101,7 +104,7 @@ def load_trained_model(weights: Path, class_indices: Path | None, device: torch.
         raise UserError(f"run flags file {args_file} does not hold the flags of a run (a JSON object)")
 
     run = Config.from_record(run_args)
-    architecture = run.model
+    architecture = architecture or run.model
     head = head_classes(state_dict, architecture)
     if head is not None and head != len(classes):
         raise UserError(
@@ -142,7 +145,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_run_overrides(parser: argparse.ArgumentParser) -> None:
-    """The flags that override what a run's files say: its class names and its image size."""
+    """The flags that override what a run's files say: its network, its class names and its image size."""
+    parser.add_argument(
+        "--model",
+        help="the torchvision network the weights are for (default: the run's, else resnet34)",
+    )
     parser.add_argument(
         "--class-indices",
         type=Path,

@@ -169,6 +169,7 @@ def test_data_with_other_classes_is_refused_and_nothing_is_written(learnable_dat
 def test_without_the_runs_flags_the_data_path_must_be_given(trained_run, tmp_path):
     (tmp_path / "best.pth").symlink_to(trained_run[0] / "weights" / "best.pth")
     argv = ["--weights", tmp_path / "best.pth", "--class-indices", trained_run[0] / "class_indices.json"]
+    argv += ["--model", "resnet18"]  # the run's network (SMALL_MODEL), which a weights file alone does not say
     with pytest.raises(UserError, match="no data: give --data-path"):
         evaluate.main.__wrapped__(list(map(str, argv)))  # in this process: no interpreter start-up
 
