@@ -34,8 +34,12 @@ from plumbing.machine import available_cores, cpu_bfloat16  # noqa: E402
 # natively, NCHW at its 32 px), and no loader worker.
 PINNED_COMPUTE = ["--amp", "bf16" if cpu_bfloat16()[0] else "off", "--no-channels-last"]
 PINNED = [*PINNED_COMPUTE, "--workers", "0"]
-# Settings that make a training run take seconds: tiny images, small batches, nothing measured.
-FAST = ["--img-size", "32", "--batch-size", "8", *PINNED]
+# Settings that make a training run take seconds: tiny images, small batches, nothing measured, and ResNet-18:
+# what the runs test (launching, resuming, failing, seeding) does not depend on the network's depth, and ResNet-34's
+# 85 MB of weights make every checkpoint, optimizer step and gradient all-reduce twice as long. The tests that are
+# about ResNet-34 itself (tests/test_model.py, test_equivalence.py, the GPU tests) build it as the scripts do.
+SMALL_MODEL = ["--model", "resnet18"]
+FAST = ["--img-size", "32", "--batch-size", "8", *SMALL_MODEL, *PINNED]
 FAULTS = ROOT / "tests" / "fault_injection"
 REFERENCE_FLAGS = ("--epochs", "4", "--seed", "0", *FAST)
 # A run stopped after its first of 2 epochs (stopped_run); a test resuming it gives the same flags.
@@ -177,7 +181,7 @@ def trained_run(learnable_data, shared_tmp):
         result = run_script(
             "train_single_gpu.py",
             *("--data-path", learnable_data, "--output-dir", out, "--img-size", "32", "--batch-size", "32"),
-            *("--epochs", "6", "--lr", "0.01", *PINNED),
+            *("--epochs", "6", "--lr", "0.01", *SMALL_MODEL, *PINNED),
         )
         assert result.returncode == 0, result.stderr
         return out, result

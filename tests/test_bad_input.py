@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 from conftest import FAST, assert_user_error, run_script
-from torchvision.models import resnet18
+from torchvision.models import mobilenet_v3_small
 
 from model import create_model
 
@@ -39,14 +39,18 @@ def bad_weights(tmp_path, kind):
     path = tmp_path / f"{kind}.pth"
     if kind == "text":
         path.write_text("not weights")
-    elif kind == "resnet18":
-        torch.save(resnet18(num_classes=5).state_dict(), path)
+    elif kind == "mobilenet_v3_small":
+        torch.save(mobilenet_v3_small(num_classes=5).state_dict(), path)
     return path  # "missing": never created
 
 
 @pytest.mark.parametrize(
     "kind, fragment",
-    [("missing", "does not exist"), ("text", "refused by the safe loader"), ("resnet18", "does not fit resnet34")],
+    [
+        ("missing", "does not exist"),
+        ("text", "refused by the safe loader"),
+        ("mobilenet_v3_small", "has no tensor that fits this model"),
+    ],
 )
 def test_unusable_weights_are_one_line_and_exit_2(tiny_data, tmp_path, run_main, kind, fragment):
     result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--weights", bad_weights(tmp_path, kind),

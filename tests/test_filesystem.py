@@ -6,6 +6,7 @@ needed; images are deleted by rank 0 between or within epochs, as a cleaning job
 """
 
 import json
+import re
 import shutil
 import time
 
@@ -19,7 +20,7 @@ from my_dataset import SKIPPED, read_split_data
 from plumbing.checkpoint import load_checkpoint
 from utils import UserError
 
-DISK_FULL_AT_EPOCH_1 = "fsize:1:1000000"  # from epoch 1 on, no file may pass 1 MB: the 85 MB weights cannot
+DISK_FULL_AT_EPOCH_1 = "fsize:1:1000000"  # from epoch 1 on, no file may pass 1 MB: the weights (tens of MB) cannot
 
 
 def error_lines(stderr: str) -> set[str]:
@@ -45,7 +46,7 @@ def test_a_full_disk_while_saving_stops_the_run_in_one_line_and_resume_continues
     assert result.returncode == 2, result.stderr
     line = assert_stopped_cleanly_after_epoch(0, out, result)
     assert f"cannot write {out / 'weights' / 'last.pth'}: File too large" in line
-    assert "MiB free on its filesystem, about 81 MiB needed" in line
+    assert re.search(r"\d+ MiB free on its filesystem, about \d+ MiB needed", line), line
     assert f"{out / 'checkpoint.pth'} (epoch 0) is untouched" in line and "--resume" in line
 
     resumed = run_script("train_single_gpu.py", *flags, "--resume", out / "checkpoint.pth")  # once there is room

@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-TWO_EPOCHS = ("--epochs", "2", "--seed", "0", *FAST)
+TWO_EPOCHS = ("--epochs", "2", "--seed", "0", *FAST, "--model", "resnet34")  # the scripts' network, on the GPU
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # a process that sees no GPU: a machine without one, as far as torch can tell
 
 # Written into a folder put first on PYTHONPATH: Python imports it at start-up in every process of a run (torchrun's

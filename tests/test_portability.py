@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import PINNED_COMPUTE, ROOT, assert_user_error, run_script
+from conftest import PINNED_COMPUTE, ROOT, SMALL_MODEL, assert_user_error, run_script
 from torch import nn
 
 import utils
@@ -32,7 +32,7 @@ from utils import UserError, write_atomically
 WINDOWS_LIKE = {"PYTHONPATH": f"{ROOT / 'tests' / 'windows_like'}{os.pathsep}{ROOT}"}
 # One epoch of tiny images, with one loader worker per loader: a worker process started by spawn.
 ONE_EPOCH = ["--img-size", "32", "--batch-size", "8", "--epochs", "1", "--device", "cpu", "--workers", "1"]
-ONE_EPOCH += PINNED_COMPUTE  # nothing left to measure (plumbing/autotune.py)
+ONE_EPOCH += [*SMALL_MODEL, *PINNED_COMPUTE]  # nothing left to measure (plumbing/autotune.py)
 MPS, CPU = torch.device("mps"), torch.device("cpu")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import assert_user_error, run_script
 from torch.utils.data import DataLoader
-from torchvision.models import resnet34
+from torchvision.models import get_model
 
 import predict
 from model import create_model
@@ -30,7 +30,7 @@ def parse_predictions(stdout: str) -> dict[str, list[tuple[str, float]]]:
 def probabilities_in_process(weights, images, run_args: dict) -> torch.Tensor:
     """What the network gives for `images`, computed here with torchvision, in batches of 16 and in the precision
     and memory layout the run validated in (its --amp and --channels-last)."""
-    model = resnet34(num_classes=5)
+    model = get_model(run_args["model"], num_classes=5)
     model.load_state_dict(torch.load(weights, weights_only=True))
     compute, _ = choose_compute(run_args["amp"], run_args["channels_last"], torch.device("cpu"))
     model = model.to(memory_format=compute.memory_format).eval()

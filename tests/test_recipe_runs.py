@@ -91,7 +91,7 @@ def model_run(request, tiny_data, tmp_path_factory):
     """One epoch of train_single_gpu.py --model NAME: (NAME, run folder)."""
     name = request.param
     out = tmp_path_factory.mktemp(name) / "run"
-    train("train_single_gpu.py", tiny_data, out, "--model", name, "--epochs", "1", *FAST)
+    train("train_single_gpu.py", tiny_data, out, "--epochs", "1", *FAST, "--model", name)
     return name, out
 
 

@@ -16,7 +16,7 @@ from conftest import (
     torchrun,
 )
 from PIL import Image
-from torchvision.models import resnet34
+from torchvision.models import resnet18
 
 METRIC_KEYS = {
     "epoch",
@@ -42,7 +42,7 @@ def assert_run_outputs(out, epochs: int, world_size: int, num_classes: int = 5):
     # Retention: the best and the last epoch's weights, nothing per epoch unless --save-every asks
     assert sorted(p.name for p in (out / "weights").iterdir()) == ["best.pth", "last.pth"]
     for name in ["best.pth", "last.pth"]:
-        plain = resnet34(num_classes=num_classes)
+        plain = resnet18(num_classes=num_classes)  # SMALL_MODEL
         plain.load_state_dict(torch.load(out / "weights" / name, weights_only=True))
     return lines
 
@@ -131,7 +131,7 @@ def test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_
     from my_dataset import read_split_data
 
     split = read_split_data(tiny_data, seed=3)
-    model = resnet34(num_classes=5)
+    model = resnet18(num_classes=5)  # SMALL_MODEL
     model.load_state_dict(final_weights(torchrun_run[1]))
     val_loader = loaders(split, img_size=32, batch_size=4, seed=3)[1]
     confusion = evaluate(model, val_loader, torch.device("cpu"), 5)
