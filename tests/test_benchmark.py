@@ -1,10 +1,18 @@
-"""tools/benchmark.py end to end at toy sizes: every row measured, the files written, the table and targets printed."""
+"""tools/benchmark.py end to end at toy sizes: every row measured, the files written, the table and targets printed;
+the rows --rows selects, each on disk before the next starts, and the targets of rows not measured."""
 
 import json
 import math
+import os
 
+import pytest
 from conftest import run_script
 from PIL import Image
+
+from plumbing.autotune import CACHE_ENV
+from plumbing.compute import Compute
+from tools import benchmark
+from utils import UserError
 
 
 def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_files(tiny_data, tmp_path, run_main):
@@ -12,14 +20,16 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     result = run_script(
         "tools/benchmark.py",
         *("--data-path", tiny_data, "--output-dir", out, "--img-size", "32", "--batch-size", "8"),
-        *("--epochs", "2", "--steps", "1", "--loader-images", "16", "--device", "cpu", "--skip-ddp", "--skip-demo"),
+        *("--epochs", "2", "--steps", "1", "--loader-images", "16", "--device", "cpu"),
+        *("--rows", "model-only,loop,loader,baseline,fixed"),  # no DDP, no demo; auto runs whatever --rows says
         *("--fixed", "float32-nchw"),  # one fixed configuration beside auto (each is a run of the script)
     )
     assert result.returncode == 0, result.stderr
-    benchmark = json.loads((out / "benchmark.json").read_text())
-    rows = benchmark["rows"]
-    kinds = ["model-only"] * 3 + ["loop", "loader", "loader", "baseline", "fixed", "single"]
+    results = json.loads((out / "benchmark.json").read_text())
+    rows = results["rows"]
+    kinds = ["model-only"] * 3 + ["loop", "loader", "loader", "baseline", "fixed", "auto"]
     assert [row["kind"] for row in rows] == kinds
+    assert results["settings"]["rows"] == list(dict.fromkeys(kinds)) and results["complete"] is True
     for row in rows:
         assert math.isfinite(row["img_per_sec"]) and row["img_per_sec"] > 0 and row["peak_rss_mib"] > 100
         if row["kind"] == "loader":  # loads images, trains nothing: no FLOPs
@@ -29,22 +39,22 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     # the ceiling alone runs without a host synchronisation in its loop; the other loops read each step's loss
     assert [row["host_sync_each_step"] for row in rows[:4]] == [False, True, False, True]
     # one worker, then the training scripts' count on this machine as auto chose it (at least one)
-    scripts = benchmark["settings"]["workers"]
+    scripts = results["settings"]["workers"]
     assert [row["workers"] for row in rows[4:6]] == [1, max(1, scripts)]
     assert rows[4]["img_per_sec_per_worker"] == rows[4]["img_per_sec"]
     baseline, fixed, single = rows[-3:]
     assert baseline["precision"] == fixed["precision"] == "float32, NCHW" and single["epoch_seconds"] > 0
     # auto measured in its run, in the benchmark's own cache; the rows without a script computed as it chose
     assert single["measure_seconds"] > 0 and (out / "autotune.json").exists()
-    assert rows[0]["precision"] == single["precision"] == benchmark["settings"]["precision"]
+    assert rows[0]["precision"] == single["precision"] == results["settings"]["precision"]
     # each training row is a real run of the script, with its own metrics; the baseline restarts its loader
     # workers every epoch, as the original did (--no-persistent-workers)
     for name in ("auto", "baseline", "fixed-float32-nchw"):
         assert len((out / "runs" / name / "metrics.jsonl").read_text().splitlines()) == 2
     assert "2 loader workers per process" in (out / "logs" / "baseline.log").read_text()
     # the machine the figures hold for: processor, cores, the instruction set torch computes with, the peaks
-    settings = benchmark["settings"]
-    assert "cores, torch kernels" in benchmark["machine"] and settings["matmul_peak_flops"]["float32"] > 1e9
+    settings = results["settings"]
+    assert "cores, torch kernels" in results["machine"] and settings["matmul_peak_flops"]["float32"] > 1e9
     assert 1e6 < settings["training_flops_per_image"] < 1e10  # ResNet-34 at 32 px: about 0.2 GFLOP
     assert "| train_single_gpu.py, auto | 1 |" in result.stdout and "Matrix-product peak: float32" in result.stdout
     assert "auto against the original's configuration (float32, NCHW): " in result.stdout
@@ -56,3 +66,80 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
         assert png.format == "PNG" and png.width >= 600
     rerun = run_main("tools/benchmark.py", "--data-path", tiny_data, "--output-dir", out, "--skip-ddp")
     assert rerun.returncode == 2 and "already holds a benchmark" in rerun.stderr  # never overwrites
+
+
+# What a script's run reports (run_script), for the tests below that measure nothing
+AUTO_FIGURES = {"img_per_sec": 90.0, "epoch_seconds": 2.0, "first_epoch_seconds": 3.0, "run_seconds": 20.0,
+                "val_acc": 0.5, "peak_rss_mib": 600, "measure_seconds": 4.0}  # fmt: skip
+
+
+def fake_measurements(monkeypatch, out, fail_at=None) -> list[list[str]]:
+    """tools/benchmark.py's measuring replaced by fixed figures (auto's run, the rows in fresh processes, the peaks
+    and FLOPs), so that main runs in this process in moments. Returns a list that gets, as each row in a fresh
+    process starts, the names of the rows then in out/benchmark.json; the row `fail_at` (counted from 0) fails."""
+    on_disk = []
+
+    def measure(name, target, mode, *args):
+        on_disk.append([row["name"] for row in json.loads((out / "benchmark.json").read_text())["rows"]])
+        if len(on_disk) - 1 == fail_at:
+            raise UserError(f"{name}: its process failed")
+        return {"img_per_sec": 100.0 if mode == "bare" else 80.0, "host_sync_each_step": mode != "bare",
+                "peak_rss_mib": 500}  # fmt: skip
+
+    monkeypatch.setattr(benchmark, "auto_run", lambda args: (dict(AUTO_FIGURES), Compute(), 0))
+    monkeypatch.setattr(benchmark, "in_fresh_process", measure)
+    monkeypatch.setattr(benchmark, "measure_peaks", lambda computes, device: {"float32": 1e12})
+    monkeypatch.setattr(benchmark, "training_flops_per_image", lambda img_size: 1e9)
+    monkeypatch.setenv(CACHE_ENV, os.environ[CACHE_ENV])  # main points it at its own file: restored after the test
+    return on_disk
+
+
+def small_benchmark(tiny_data, out, *flags) -> list[str]:
+    return ["--data-path", str(tiny_data), "--output-dir", str(out), "--img-size", "32", "--batch-size", "8",
+            "--device", "cpu", *flags]  # fmt: skip
+
+
+@pytest.mark.fast
+def test_rows_selects_kinds_and_each_row_is_on_disk_before_the_next_starts(tiny_data, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "bench"
+    on_disk = fake_measurements(monkeypatch, out)
+    benchmark.main(small_benchmark(tiny_data, out, "--rows", "model-only"))  # auto runs whatever --rows says
+    auto, ceiling, synced = "train_single_gpu.py, auto", "model only (the ceiling)", "model only, loss.item() each step"
+    assert on_disk == [[auto], [ceiling, auto], [ceiling, synced, auto]]  # in the table's order, auto last
+    results = json.loads((out / "benchmark.json").read_text())
+    assert [row["kind"] for row in results["rows"]] == ["model-only"] * 3 + ["auto"]
+    assert results["settings"]["rows"] == ["model-only", "auto"] and results["complete"] is True
+    printed = capsys.readouterr().out
+    # each row's line as it is measured; "× baseline" stays "–" without a baseline row
+    assert printed.count("| model only (the ceiling) | 1 | float32, NCHW | 100.0 | – |") == 2  # then in the table
+    assert "single process >= 90 % of the model-only ceiling: 90% (met)" in printed
+    assert "loss.item() each step costs 20% of the ceiling's speed (no target)" in printed
+    for target in (
+        "the original's setup (float32 only)",
+        "torchrun >= 0.8x one process",
+        "the best fixed configuration",
+    ):
+        assert f"{target}: not measured" in printed
+
+
+@pytest.mark.fast
+def test_a_benchmark_stopped_midway_leaves_the_rows_it_finished(tiny_data, tmp_path, monkeypatch):
+    out = tmp_path / "bench"
+    fake_measurements(monkeypatch, out, fail_at=2)  # the third model-only row fails
+    with pytest.raises(SystemExit) as stopped:
+        benchmark.main(small_benchmark(tiny_data, out, "--skip-ddp", "--skip-demo"))
+    assert stopped.value.code == 2
+    results = json.loads((out / "benchmark.json").read_text())
+    assert [row["kind"] for row in results["rows"]] == ["model-only", "model-only", "auto"]
+    assert results["complete"] is False and results["settings"]["rows"] == list(benchmark.KINDS[:6])
+    assert not list(out.glob(".benchmark.json.*"))  # written by renaming a whole file over it: no partial file left
+
+
+@pytest.mark.fast
+def test_the_targets_of_rows_not_measured_say_so():
+    auto = benchmark.row("train_single_gpu.py, auto", "auto", 1, "float32, NCHW", dict(AUTO_FIGURES), 1e12, 1e9)
+    lines = benchmark.against_targets([auto], native_bf16=False) + benchmark.auto_targets([auto])
+    measured = [line for line in lines if not line.endswith(": not measured")]
+    assert measured == ["auto's measuring took 4.0 s of its first run's 20 s (no target)"]
+    assert len(lines) == 11  # every target, measured or not
+    assert "| train_single_gpu.py, auto | 1 | float32, NCHW | 90.0 | – | 9% |" in benchmark.markdown_table([auto])

@@ -1,6 +1,6 @@
 """On a CUDA GPU: the scripts end to end, run as a user runs them. Skipped where torch sees no GPU.
 
-    python -m pytest tests/test_gpu.py -m gpu        # or: bash tools/gpu_run.sh (tests, then the GPU benchmark)
+    python -m pytest tests/test_gpu.py -m gpu -n 0   # or: bash tools/gpu_run.sh (the GPU benchmark, then these tests)
 
 Every check goes through the scripts' command lines, in fresh interpreters, on the small generated data of the
 other tests (tiny_data, 32 px crops, 2 epochs), so the file takes a few minutes. What only a GPU can show: bf16 and

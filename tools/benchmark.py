@@ -2,16 +2,19 @@
 
 python tools/benchmark.py                       # 224 px, batch 16, generated 320x240 JPEGs
 python tools/benchmark.py --data-path flower_photos --img-size 224 --batch-size 32 --nprocs 4
+python tools/benchmark.py --rows model-only,auto --batch-size 256   # only these rows (auto always runs)
 python tools/benchmark.py --startup-sizes 1000,10000,100000   # start-up alone (tools/startup_benchmark.py)
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python tools/benchmark.py    # an AVX-512 CPU computing as an AVX2 one
 
-Rows, each a fresh process (or group of processes) so that no row inherits another's warm caches or memory:
-  model only (the ceiling)   the bare training step (autocast forward, cross-entropy, scaled backward, optimizer
-                 step) on one random batch already on the device, with no host synchronisation inside the loop:
-                 the ceiling for this precision and layout
-  model only, loss.item() each step   the same, the CPU waiting for each step's loss before it queues the next
-  model only, float32 NCHW   the ceiling's loop in float32 and NCHW
-  train_one_epoch, tensors in memory   the training loop itself, fed one batch from host memory at every step
+Rows, each a fresh process (or group of processes) so that no row inherits another's warm caches or memory, by
+their kind (benchmark.json's "kind"; --rows picks kinds, default all):
+  model-only     three rows. "model only (the ceiling)": the bare training step (autocast forward, cross-entropy,
+                 scaled backward, optimizer step) on one random batch already on the device, with no host
+                 synchronisation inside the loop: the ceiling for this precision and layout. "model only,
+                 loss.item() each step": the same, the CPU waiting for each step's loss before it queues the
+                 next. "model only, float32 NCHW": the ceiling's loop in float32 and NCHW
+  loop           "train_one_epoch, tensors in memory": the training loop itself, fed one batch from host memory
+                 at every step
   loader         the training loader as the scripts build it, iterated without a model: with 1 worker, and with
                  the workers the scripts use on this device (at least 1); images per second after the first
                  batches, at least --loader-images of them
@@ -22,20 +25,26 @@ Rows, each a fresh process (or group of processes) so that no row inherits anoth
   auto           train_single_gpu.py with this collection's defaults (or --amp / --channels-last): precision,
                  layout and workers left to auto, which measures them in this, its first run (the benchmark keeps
                  its own cache of auto's choices, in --output-dir, so every benchmark measures anew). It runs
-                 first: the rows without a script use what it chose
-  torchrun, spawn   the two DDP launch scripts with --nprocs processes, auto as in the auto row
-  demo           train_single_gpu.py --demo, its first run (unless --skip-demo): the demo's time and accuracy, and
+                 first, whatever --rows says: the rows without a script use what it chose
+  torchrun, spawn   the two DDP launch scripts with --nprocs processes, auto as in the auto row (--skip-ddp: none)
+  demo           train_single_gpu.py --demo, its first run (--skip-demo: none): the demo's time and accuracy, and
                  what auto's measuring cost at the demo's size
 The rows without a loader time --steps steps after 3 untimed ones, the device synchronised before the clock starts
 and before it stops. End-to-end figures come from the runs' own metrics.jsonl: training images per second and
 epoch wall time (training and validation) averaged over the epochs after the first, which pays one-off start-up
 costs.
 
+They are measured in this order: auto, then the others in the order above. benchmark.json is written after
+auto's row and again after every row (atomically: a new file renamed over the old), its rows in the order above
+and its "complete" false until the last, and each row's line of the table is printed as it is measured: a
+benchmark stopped midway leaves every row it finished. The whole table and the targets are printed at the end;
+a target whose rows were not measured says so.
+
 The machine is stated with the figures: the processor, the instruction set torch computes with, the cores, and
 the measured peak of a large matrix product in each precision; each row's "% of peak" is its training FLOPs per
 second (torch's FlopCounterMode over one training step, times images per second) against the peak of the
 precision it computed in (none for the loader rows, which do not train). Writes benchmark.json, benchmark.png
-(plot_results.plot_benchmark) and each run's folder and log to --output-dir.
+(plot_results.plot_benchmark, at the end) and each run's folder and log to --output-dir.
 """
 
 import argparse
@@ -85,6 +94,12 @@ from utils import Parser, UserError, entry_point, number, write_json  # noqa: E4
 
 FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
 # The fixed configurations auto is compared with: --amp, channels_last
+# The kinds of row, in the order of the table (see the docstring)
+KINDS = ("model-only", "loop", "loader", "baseline", "fixed", "auto", "torchrun", "spawn", "demo")
+TABLE_HEADER = (
+    "| configuration | processes | precision, layout | img/s | × baseline | % of peak | epoch (s) "
+    "| first epoch (s) | peak RSS / process (MiB) |\n|---|---:|---|---:|---:|---:|---:|---:|---:|"
+)
 FIXED = {"float32-nchw": ("off", False), "float32-channels_last": ("off", True), "bf16-nchw": ("bf16", False),
          "bf16-channels_last": ("bf16", True)}  # fmt: skip
 
@@ -131,7 +146,14 @@ def parse_args(argv=None):
     )
     p.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
     p.add_argument("--output-dir", type=Path, default=Path("benchmark"), help="where results and runs go")
-    p.add_argument("--skip-ddp", action="store_true", help="measure the single-process rows only")
+    p.add_argument(
+        "--rows",
+        type=kind_list,
+        default="all",
+        help=f"the kinds of row to measure, comma-separated, of {', '.join(KINDS)} (auto always runs: the rows "
+        "without a script compute as it chose)",
+    )
+    p.add_argument("--skip-ddp", action="store_true", help="leave out the torchrun and spawn rows")
     p.add_argument("--skip-demo", action="store_true", help="leave out the demo's run (a minute or two on a CPU)")
     p.add_argument(
         "--startup-sizes",
@@ -140,6 +162,14 @@ def parse_args(argv=None):
         "folders of these many images (e.g. 1000,10000,100000); see tools/startup_benchmark.py",
     )
     return p.parse_args(argv)
+
+
+def kind_list(text: str) -> list[str]:
+    names = list(KINDS) if text == "all" else text.split(",")
+    unknown = [name for name in names if name not in KINDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(KINDS)}")
+    return names
 
 
 def fixed_list(text: str) -> list[str]:
@@ -280,57 +310,74 @@ def row(name: str, kind: str, processes: int, precision: str, measured: dict, pe
 
 
 def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
-    """The project's speed targets, each with its ratio measured in this run and whether it is met, and what the
-    per-step loss.item() costs (no target)."""
+    """The project's speed targets, each with its ratio measured in this run and whether it is met ("not measured"
+    where a row it needs was not), and what the per-step loss.item() costs (no target)."""
     first = {}
     for row in rows:
         first.setdefault(row["kind"], row)  # of the model-only rows, the first: the ceiling
-    ceiling, baseline, single = first["model-only"], first["baseline"], first["single"]
-    loader = rows_of(rows, "loader")[-1]  # with the training scripts' workers
+    ceiling, baseline, single = first.get("model-only"), first.get("baseline"), first.get("auto")
+    loader = (rows_of(rows, "loader") or [None])[-1]  # with the training scripts' workers
     over_baseline = 3.5 if native_bf16 else 1.15  # float32 alone is capped by the machine's float32 peak
     kind = "bfloat16 native" if native_bf16 else "float32 only"
-    checks = [
-        ("single process >= 90 % of the model-only ceiling", single["img_per_sec"] / ceiling["img_per_sec"], 0.9,
-         "{:.0%}"),
-        (f"single process >= {over_baseline}x the original's setup ({kind})",
-         single["img_per_sec"] / baseline["img_per_sec"], over_baseline, "{:.2f}x"),
-        (f"loader with {worker_phrase(loader['workers'])} feeds {loader['img_per_sec']:.1f} img/s, >= the model-only "
-         "ceiling", loader["img_per_sec"] / ceiling["img_per_sec"], 1.0, "{:.2f}x"),
+    if loader:
+        feeds = f"loader with {worker_phrase(loader['workers'])} feeds {loader['img_per_sec']:.1f} img/s"
+    else:
+        feeds = "loader with the training scripts' workers"
+    lines = [
+        ratio_target("single process >= 90 % of the model-only ceiling", single, ceiling, 0.9, "{:.0%}"),
+        ratio_target(f"single process >= {over_baseline}x the original's setup ({kind})", single, baseline,
+                     over_baseline, "{:.2f}x"),
+        ratio_target(f"{feeds}, >= the model-only ceiling", loader, ceiling, 1.0, "{:.2f}x"),
     ]  # fmt: skip
     for kind in ("torchrun", "spawn"):
-        if kind in first:
-            ratio = first[kind]["img_per_sec"] / single["img_per_sec"]
-            checks.append((f"{kind}, {first[kind]['processes']} processes >= 0.8x one process", ratio, 0.8, "{:.2f}x"))
-    lines = [
-        f"{what}: {form.format(value)} ({'met' if value >= goal else 'NOT met'})" for what, value, goal, form in checks
-    ]
+        processes = f", {first[kind]['processes']} processes" if kind in first else ""
+        lines.append(ratio_target(f"{kind}{processes} >= 0.8x one process", first.get(kind), single, 0.8, "{:.2f}x"))
     if "spawn" in first and "torchrun" in first:
         ratio = first["spawn"]["epoch_seconds"] / first["torchrun"]["epoch_seconds"]
         lines.append(
             f"spawn's epoch takes {ratio:.0%} of torchrun's ({'met' if ratio <= 1.1 else 'NOT met'}: <= 110 %)"
         )
-    synced = next(row for row in rows_of(rows, "model-only") if row["host_sync_each_step"])
-    cost = 1 - synced["img_per_sec"] / ceiling["img_per_sec"]
-    return [*lines, f"loss.item() each step costs {cost:.0%} of the ceiling's speed (no target)"]
+    else:
+        lines.append("spawn's epoch within 110 % of torchrun's: not measured")
+    synced = next((row for row in rows_of(rows, "model-only") if row["host_sync_each_step"]), None)
+    if synced and ceiling:
+        lines.append(f"loss.item() each step costs {1 - synced['img_per_sec'] / ceiling['img_per_sec']:.0%} of the "
+                     "ceiling's speed (no target)")  # fmt: skip
+    else:
+        lines.append("loss.item() each step: not measured")
+    return lines
+
+
+def ratio_target(what: str, row: dict | None, against: dict | None, goal: float, form: str) -> str:
+    """`what`: row's images per second over against's, and whether that reaches `goal`; "not measured" where
+    either row is missing."""
+    if row is None or against is None:
+        return f"{what}: not measured"
+    value = row["img_per_sec"] / against["img_per_sec"]
+    return f"{what}: {form.format(value)} ({'met' if value >= goal else 'NOT met'})"
 
 
 def auto_targets(rows: list[dict]) -> list[str]:
     """The targets of auto's measuring, with the figures of this run: its end-to-end speed against the best fixed
     configuration and against the original's (float32 NCHW), what its measuring cost, the demo's time and
-    accuracy."""
-    auto, fixed, lines = rows_of(rows, "single")[0], rows_of(rows, "fixed"), []
+    accuracy; "not measured" where a row they need was not."""
+    auto, fixed, lines = (rows_of(rows, "auto") or [None])[0], rows_of(rows, "fixed"), []
     verdict = lambda met: "met" if met else "NOT met"  # noqa: E731
-    if fixed:
-        best = max(fixed, key=lambda row: row["img_per_sec"])
+    best = max(fixed, key=lambda row: row["img_per_sec"]) if fixed else None
+    original = next((row for row in fixed if row["precision"] == "float32, NCHW"), None)
+    if auto and best:
         ratio = auto["img_per_sec"] / best["img_per_sec"]
         lines.append(f"auto ({auto['precision']}) against the best fixed configuration ({best['precision']}): "
                      f"{ratio:.0%} ({verdict(ratio >= 0.95)}: >= 95 %)")  # fmt: skip
-    original = next((row for row in fixed if row["precision"] == "float32, NCHW"), None)
-    if original:
+    else:
+        lines.append("auto against the best fixed configuration: not measured")
+    if auto and original:
         ratio = auto["img_per_sec"] / original["img_per_sec"]
         lines.append(f"auto against the original's configuration (float32, NCHW): {ratio:.2f}x "
                      f"({verdict(ratio >= 1.0)}: never slower)")  # fmt: skip
-    if auto.get("measure_seconds") is not None:
+    else:
+        lines.append("auto against the original's configuration (float32, NCHW): not measured")
+    if auto and auto.get("measure_seconds") is not None:
         lines.append(f"auto's measuring took {auto['measure_seconds']:.1f} s of its first run's "
                      f"{auto['run_seconds']:.0f} s (no target)")  # fmt: skip
     for demo in rows_of(rows, "demo"):
@@ -341,6 +388,8 @@ def auto_targets(rows: list[dict]) -> list[str]:
             f"the demo took {demo['run_seconds']:.0f} s ({verdict(demo['run_seconds'] <= 120)}: <= 120 s) and "
             f"reached validation accuracy {demo['val_acc']:.3f} ({verdict(demo['val_acc'] >= 0.8)}: >= 0.80)",
         ]
+    if not rows_of(rows, "demo"):
+        lines.append("the demo's time, accuracy and measuring: not measured")
     return lines
 
 
@@ -400,22 +449,31 @@ def describe_machine(device: str) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    baseline = next(row["img_per_sec"] for row in rows if row["kind"] == "baseline")
-    lines = [
-        "| configuration | processes | precision, layout | img/s | × baseline | % of peak | epoch (s) "
-        "| first epoch (s) | peak RSS / process (MiB) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        epoch = f"{row['epoch_seconds']:.1f}" if row.get("epoch_seconds") else "–"
-        first = f"{row['first_epoch_seconds']:.1f}" if row.get("first_epoch_seconds") else "–"
-        peak = f"{row['peak_fraction']:.0%}" if row["peak_fraction"] is not None else "–"
-        lines.append(
-            f"| {row['name']} | {row['processes']} | {row['precision']} | {row['img_per_sec']:.1f} "
-            f"| {row['img_per_sec'] / baseline:.2f} | {peak} | {epoch} | {first} "
-            f"| {row.get('peak_rss_mib') or '–'} |"  # none where the OS does not tell (Windows without psutil)
-        )
-    return "\n".join(lines)
+    baseline = next((row for row in rows if row["kind"] == "baseline"), None)
+    return "\n".join([TABLE_HEADER, *(table_line(row, baseline) for row in rows)])
+
+
+def table_line(row: dict, baseline: dict | None) -> str:
+    """A row's line of the table; "× baseline" is "–" without a baseline row."""
+    epoch = f"{row['epoch_seconds']:.1f}" if row.get("epoch_seconds") else "–"
+    first = f"{row['first_epoch_seconds']:.1f}" if row.get("first_epoch_seconds") else "–"
+    peak = f"{row['peak_fraction']:.0%}" if row["peak_fraction"] is not None else "–"
+    times = f"{row['img_per_sec'] / baseline['img_per_sec']:.2f}" if baseline else "–"
+    memory = row.get("peak_rss_mib") or "–"  # none where the OS does not tell (Windows without psutil)
+    return (
+        f"| {row['name']} | {row['processes']} | {row['precision']} | {row['img_per_sec']:.1f} | {times} | {peak} "
+        f"| {epoch} | {first} | {memory} |"
+    )
+
+
+def record(benchmark: dict, new_row: dict, path: Path) -> None:
+    """Add a measured row to the benchmark in its place (the table's order of kinds), print its line of the table,
+    and write the benchmark to `path` anew, atomically: a benchmark stopped midway leaves every row it finished."""
+    rows = benchmark["rows"]
+    rows.append(new_row)
+    rows.sort(key=lambda row: KINDS.index(row["kind"]))  # a stable sort: rows of a kind stay in measured order
+    print(table_line(new_row, next((row for row in rows if row["kind"] == "baseline"), None)), flush=True)
+    write_json(path, benchmark)
 
 
 def measure_peaks(computes: list[Compute], device: torch.device) -> dict:
@@ -434,9 +492,10 @@ def described(compute: Compute) -> str:
     return f"{PRECISION_NAMES[amp_flag(compute)]}, {'channels_last' if compute.channels_last else 'NCHW'}"
 
 
-def in_memory_rows(args, compute: Compute, peaks: dict, flops: float) -> list[dict]:
-    """The rows without a data loader: the bare training step (the first: the ceiling), the same with loss.item()
-    each step, the same in float32 NCHW, and train_one_epoch's loop over a batch in memory; in what auto chose."""
+def in_memory_rows(args, compute: Compute, peaks: dict, flops: float):
+    """The rows without a data loader, each yielded as soon as it is measured (those of the kinds in --rows): the
+    bare training step (the first: the ceiling), the same with loss.item() each step, the same in float32 NCHW,
+    and train_one_epoch's loop over a batch in memory; in what auto chose."""
     cases = [  # name, kind, _in_memory's mode, how it computes
         ("model only (the ceiling)", "model-only", "bare", compute),
         ("model only, loss.item() each step", "model-only", "item", compute),
@@ -444,32 +503,31 @@ def in_memory_rows(args, compute: Compute, peaks: dict, flops: float) -> list[di
         ("train_one_epoch, tensors in memory", "loop", "loop", compute),
     ]
     settings = (args.img_size, args.batch_size)
-    return [
-        row(name, kind, 1, described(case),
-            in_fresh_process(name, _in_memory, mode, *settings, amp_flag(case), case.channels_last, args.device,
-                             args.steps),
-            peaks[peak_name(case.amp_dtype)], flops)
-        for name, kind, mode, case in cases
-    ]  # fmt: skip
+    for name, kind, mode, case in cases:
+        if kind in args.rows:
+            measured = in_fresh_process(name, _in_memory, mode, *settings, amp_flag(case), case.channels_last,
+                                        args.device, args.steps)  # fmt: skip
+            yield row(name, kind, 1, described(case), measured, peaks[peak_name(case.amp_dtype)], flops)
 
 
-def loader_rows(args, split, workers: int) -> list[dict]:
-    """The training loader alone: with one worker (what one worker supplies) and with the workers auto chose for
-    the training scripts, at least one (where they use none, they load between steps)."""
+def loader_rows(args, split, workers: int):
+    """The training loader alone, each row yielded as soon as it is measured (if --rows has them): with one worker
+    (what one worker supplies) and with the workers auto chose for the training scripts, at least one (where they
+    use none, they load between steps)."""
+    if "loader" not in args.rows:
+        return
     device = torch.device(args.device)
     if workers == 0:
         theirs = "loader, 1 worker (the training scripts here: none, images loaded between steps)"
     else:
         theirs = f"loader, {worker_phrase(workers)} (as the training scripts)"
     start_method = multiprocessing.get_start_method()  # what a script's loader gets: the platform's default
-    rows = []
     for count, name in ((1, "loader, 1 worker"), (max(1, workers), theirs)):
         measure = (split, args.img_size, args.batch_size, count, args.loader_images, start_method)
         measure += (device.type == "cuda",)  # pinned, as train() asks on a GPU
         measured = in_fresh_process(name, _loader, *measure)
         measured["img_per_sec_per_worker"] = measured["img_per_sec"] / count
-        rows.append(row(name, "loader", 1, "–", measured))
-    return rows
+        yield row(name, "loader", 1, "–", measured)
 
 
 def auto_run(args) -> tuple[dict, Compute, int]:
@@ -499,55 +557,49 @@ def measuring_seconds(img_size: int, batch_size: int) -> float | None:
     return None
 
 
-def fixed_rows(args, names: list[str], workers: int, peaks: dict, flops: float) -> list[dict]:
+def fixed_rows(args, names: list[str], workers: int, peaks: dict, flops: float):
     """train_single_gpu.py in each fixed precision and layout, with the loader workers auto chose: what auto's
-    choice of precision and layout is compared with."""
-    rows = []
+    choice of precision and layout is compared with. Each row is yielded as soon as it is measured."""
     for name in names:
         amp, channels_last = FIXED[name]
         compute = Compute(AMP_DTYPES[amp], channels_last)
         flags = ["--amp", amp, layout_flag(channels_last), "--workers", str(workers)]
         measured = run_script(args, f"fixed-{name}", [str(ROOT / "train_single_gpu.py")], flags)
-        rows.append(row(f"fixed: {short_name(compute)}", "fixed", 1, described(compute), measured,
-                        peaks[peak_name(compute.amp_dtype)], flops))  # fmt: skip
-    return rows
+        yield row(f"fixed: {short_name(compute)}", "fixed", 1, described(compute), measured,
+                  peaks[peak_name(compute.amp_dtype)], flops)  # fmt: skip
 
 
-def script_rows(args, auto: tuple, nprocs: int, peaks: dict, flops: float) -> list[dict]:
-    """The training scripts end to end: the original's setup, the fixed configurations, the auto row, (unless
-    --skip-ddp) the two DDP launch scripts, and (unless --skip-demo) the demo."""
-    measured, compute, workers = auto
+def script_rows(args, compute: Compute, workers: int, nprocs: int, peaks: dict, flops: float):
+    """The training scripts end to end but auto's run (measured first), each row yielded as soon as it is measured
+    (those of the kinds in --rows): the original's setup, the fixed configurations, the two DDP launch scripts
+    (computing as auto chooses, as auto's row does) and the demo."""
     single, ours, peak_ours = (
         [str(ROOT / "train_single_gpu.py")],
         described(compute),
         peaks[peak_name(compute.amp_dtype)],
     )
-    original_workers = min(os.cpu_count() or 1, args.batch_size, 8)  # the original's num_workers
-    baseline = ["--amp", "off", "--no-channels-last", "--no-persistent-workers", "--workers", str(original_workers)]
-    rows = [
-        row("baseline: the original's setup", "baseline", 1, "float32, NCHW",
-            run_script(args, "baseline", single, baseline), peaks["float32"], flops),
-        *fixed_rows(args, args.fixed, workers, peaks, flops),
-        row("train_single_gpu.py, auto", "single", 1, ours, measured, peak_ours, flops),
-    ]  # fmt: skip
+    if "baseline" in args.rows:
+        original_workers = min(os.cpu_count() or 1, args.batch_size, 8)  # the original's num_workers
+        baseline = ["--amp", "off", "--no-channels-last", "--no-persistent-workers", "--workers", str(original_workers)]
+        yield row("baseline: the original's setup", "baseline", 1, "float32, NCHW",
+                  run_script(args, "baseline", single, baseline), peaks["float32"], flops)  # fmt: skip
+    yield from fixed_rows(args, args.fixed, workers, peaks, flops)
     ours_flags = ["--amp", args.amp] + ([] if args.channels_last is None else [layout_flag(args.channels_last)])
-    if not args.skip_ddp:
+    if "torchrun" in args.rows:
         torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
         launch = [*torchrun, str(ROOT / "train_multi_gpu_using_launch.py")]
-        spawn = [str(ROOT / "train_multi_gpu_using_spawn.py")]
-        rows += [
-            row(f"torchrun, {nprocs} processes", "torchrun", nprocs, ours,
-                run_script(args, "torchrun", launch, ours_flags), peak_ours, flops),
-            row(f"spawn, {nprocs} processes", "spawn", nprocs, ours,
-                run_script(args, "spawn", spawn, [*ours_flags, "--world-size", str(nprocs)]), peak_ours, flops),
-        ]  # fmt: skip
-    if not args.skip_demo:
+        yield row(f"torchrun, {nprocs} processes", "torchrun", nprocs, ours,
+                  run_script(args, "torchrun", launch, ours_flags), peak_ours, flops)  # fmt: skip
+    if "spawn" in args.rows:
+        spawn, flags = [str(ROOT / "train_multi_gpu_using_spawn.py")], [*ours_flags, "--world-size", str(nprocs)]
+        yield row(f"spawn, {nprocs} processes", "spawn", nprocs, ours,
+                  run_script(args, "spawn", spawn, flags), peak_ours, flops)  # fmt: skip
+    if "demo" in args.rows:
         demo = run_script(args, "demo", single, [], demo=True)
         demo["measure_seconds"] = measuring_seconds(DEMO_DEFAULTS["img_size"], DEMO_DEFAULTS["batch_size"])
-        record = json.loads((args.output_dir / "runs" / "demo" / "args.json").read_text())  # what auto chose
-        chosen = described(Compute(AMP_DTYPES[record["amp"]], record["channels_last"]))
-        rows.append(row("train_single_gpu.py --demo, its first run", "demo", 1, chosen, demo))
-    return rows
+        chose = json.loads((args.output_dir / "runs" / "demo" / "args.json").read_text())  # what auto chose
+        chosen = described(Compute(AMP_DTYPES[chose["amp"]], chose["channels_last"]))
+        yield row("train_single_gpu.py --demo, its first run", "demo", 1, chosen, demo)
 
 
 @entry_point
@@ -562,6 +614,10 @@ def main(argv=None):
     nprocs = args.nprocs or (torch.cuda.device_count() if args.device.startswith("cuda") else 2)
     if args.fixed is None:  # float32 in both layouts; bfloat16 too where auto would consider it
         args.fixed = [name for name, (amp, _) in FIXED.items() if amp in amp_candidates("auto", device)[0]]
+    left_out = ({"torchrun", "spawn"} if args.skip_ddp else set()) | ({"demo"} if args.skip_demo else set())
+    args.rows = [kind for kind in KINDS if kind == "auto" or kind in args.rows and kind not in left_out]
+    if "fixed" not in args.rows:
+        args.fixed = []
     if args.data_path is None:
         width, height = FLOWER_PHOTOS_SIZE
         folder = ROOT / "data" / f"benchmark_flowers_{width}x{height}_{args.images_per_class}"
@@ -575,17 +631,14 @@ def main(argv=None):
     print(f"Benchmark: {args.img_size} px, batch {args.batch_size}, data {args.data_path}, output {args.output_dir}")
     print(f"Machine: {describe_machine(args.device)}")
     split = training_split(args.data_path, args.batch_size)
-    auto = auto_run(args)  # first: the rows below compute as it chose
-    compute, workers = auto[1], auto[2]
-    print(f"auto chose {described(compute)}, {worker_phrase(workers)}; measuring took {auto[0]['measure_seconds']} s")
+    auto, compute, workers = auto_run(args)  # first: the rows below compute as it chose
+    print(f"auto chose {described(compute)}, {worker_phrase(workers)}; measuring took {auto['measure_seconds']} s")
     fixed = [Compute(AMP_DTYPES[FIXED[name][0]]) for name in args.fixed]
     peaks, flops = measure_peaks([compute, *fixed], device), training_flops_per_image(args.img_size)
     print(
         "Matrix-product peak: " + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
         + f"; a training step is {flops / 1e9:.2f} GFLOP per image"
     )  # fmt: skip
-    rows = in_memory_rows(args, compute, peaks, flops) + loader_rows(args, split, workers)
-    rows += script_rows(args, auto, nprocs, peaks, flops)
     benchmark = {
         "machine": describe_machine(args.device),
         "date": datetime.date.today().isoformat(),
@@ -595,17 +648,33 @@ def main(argv=None):
             "precision": described(compute), "channels_last": compute.channels_last, "workers": workers,
             "matmul_peak_flops": peaks, "training_flops_per_image": flops, "data_path": str(args.data_path),
             "epochs": args.epochs, "steps": args.steps, "loader_images": args.loader_images, "fixed": args.fixed,
+            "rows": args.rows,
         },
-        "rows": rows,
+        "complete": False,  # until the last row: a benchmark stopped midway leaves the rows it finished
+        "rows": [],
     }  # fmt: skip
-    write_json(args.output_dir / "benchmark.json", benchmark)
+    results = args.output_dir / "benchmark.json"
+    print(f"\nRows as they are measured (of {', '.join(args.rows)}), each written to {results} at once:")
+    print(TABLE_HEADER, flush=True)
+    peak_auto = peaks[peak_name(compute.amp_dtype)]
+    record(benchmark, row("train_single_gpu.py, auto", "auto", 1, described(compute), auto, peak_auto, flops), results)
+    measured_rows = itertools.chain(
+        in_memory_rows(args, compute, peaks, flops),
+        loader_rows(args, split, workers),
+        script_rows(args, compute, workers, nprocs, peaks, flops),
+    )
+    for measured in measured_rows:  # each row measured, then recorded, before the next starts
+        record(benchmark, measured, results)
+    benchmark["complete"] = True
+    write_json(results, benchmark)
 
+    rows = benchmark["rows"]
     plot_benchmark(benchmark, args.output_dir / "benchmark.png")
     print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
     print(markdown_table(rows))
     targets = against_targets(rows, native_bf16=compute.amp_dtype == torch.bfloat16) + auto_targets(rows)
     print("\n" + "\n".join(targets))
-    print(f"\nWrote {args.output_dir / 'benchmark.json'} and {args.output_dir / 'benchmark.png'}")
+    print(f"\nWrote {results} and {args.output_dir / 'benchmark.png'}")
 
 
 if __name__ == "__main__":
