@@ -294,20 +294,21 @@ def pytest_xdist_auto_num_workers(config):
 # The workers take the files in the order of the collection (pytest_configure turns off xdist's own order, by
 # number of tests, which started the one-test files, two of the longest, last of all), and a worker takes the next
 # file when its own are nearly done: the longest files first, longest first, so that the workers end together.
-# By each file's CPU time alone in one process on one core (2026-11-24, a file's shared runs included); the
-# files not named follow in name order.
+# By each file's seconds on one worker (one core) of a 2-worker run, its shared runs included (2026-11-24, after the
+# runs moved to ResNet-18: both workers ended within a second of each other); the files not named follow in name
+# order.
 LONGEST_FIRST = (
-    "test_guarantees_on_avx2.py",  # 200 s
-    "test_failures.py",  # 180 s, reference_run and stopped_run included
-    "test_training.py",  # 140 s, trained_run, torchrun_run and spawn_run included (files after it share them)
-    "test_preemption.py",  # 140 s, with reference_run, torchrun_run and spawn_run
-    "test_multinode.py",  # 105 s, with torchrun_run
-    "test_recipe_runs.py",  # 90 s
-    "test_equivalence.py",  # 80 s
-    "test_benchmark.py",  # 75 s
+    "test_guarantees_on_avx2.py",  # 170 s
+    "test_failures.py",  # 160 s, reference_run and stopped_run included
+    "test_training.py",  # 130 s, trained_run, torchrun_run and spawn_run included (files after it share them)
+    "test_preemption.py",  # 105 s, with reference_run, torchrun_run and spawn_run
+    "test_multinode.py",  # 95 s, with torchrun_run
+    "test_recipe_runs.py",  # 80 s
+    "test_equivalence.py",  # 70 s
     "test_portability.py",  # 60 s
-    "test_filesystem.py",  # 55 s
-    "test_run_folder.py",  # 45 s, with stopped_run
+    "test_benchmark.py",  # 55 s
+    "test_filesystem.py",  # 40 s
+    "test_run_folder.py",  # 40 s, with stopped_run
 )
 
 
