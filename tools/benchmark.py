@@ -569,15 +569,12 @@ def fixed_rows(args, names: list[str], workers: int, peaks: dict, flops: float):
                   peaks[peak_name(compute.amp_dtype)], flops)  # fmt: skip
 
 
-def script_rows(args, compute: Compute, workers: int, nprocs: int, peaks: dict, flops: float):
+def script_rows(args, workers: int, nprocs: int, peaks: dict, flops: float):
     """The training scripts end to end but auto's run (measured first), each row yielded as soon as it is measured
     (those of the kinds in --rows): the original's setup, the fixed configurations, the two DDP launch scripts
-    (computing as auto chooses, as auto's row does) and the demo."""
-    single, ours, peak_ours = (
-        [str(ROOT / "train_single_gpu.py")],
-        described(compute),
-        peaks[peak_name(compute.amp_dtype)],
-    )
+    (precision and layout left to auto, which measures for them anew: each process has its share of the cores)
+    and the demo."""
+    single = [str(ROOT / "train_single_gpu.py")]
     if "baseline" in args.rows:
         original_workers = min(os.cpu_count() or 1, args.batch_size, 8)  # the original's num_workers
         baseline = ["--amp", "off", "--no-channels-last", "--no-persistent-workers", "--workers", str(original_workers)]
@@ -588,18 +585,27 @@ def script_rows(args, compute: Compute, workers: int, nprocs: int, peaks: dict, 
     if "torchrun" in args.rows:
         torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
         launch = [*torchrun, str(ROOT / "train_multi_gpu_using_launch.py")]
-        yield row(f"torchrun, {nprocs} processes", "torchrun", nprocs, ours,
-                  run_script(args, "torchrun", launch, ours_flags), peak_ours, flops)  # fmt: skip
+        measured = run_script(args, "torchrun", launch, ours_flags)
+        precision, peak = as_run(args, "torchrun", peaks)
+        yield row(f"torchrun, {nprocs} processes", "torchrun", nprocs, precision, measured, peak, flops)
     if "spawn" in args.rows:
         spawn, flags = [str(ROOT / "train_multi_gpu_using_spawn.py")], [*ours_flags, "--world-size", str(nprocs)]
-        yield row(f"spawn, {nprocs} processes", "spawn", nprocs, ours,
-                  run_script(args, "spawn", spawn, flags), peak_ours, flops)  # fmt: skip
+        measured = run_script(args, "spawn", spawn, flags)
+        precision, peak = as_run(args, "spawn", peaks)
+        yield row(f"spawn, {nprocs} processes", "spawn", nprocs, precision, measured, peak, flops)
     if "demo" in args.rows:
         demo = run_script(args, "demo", single, [], demo=True)
         demo["measure_seconds"] = measuring_seconds(DEMO_DEFAULTS["img_size"], DEMO_DEFAULTS["batch_size"])
-        chose = json.loads((args.output_dir / "runs" / "demo" / "args.json").read_text())  # what auto chose
-        chosen = described(Compute(AMP_DTYPES[chose["amp"]], chose["channels_last"]))
-        yield row("train_single_gpu.py --demo, its first run", "demo", 1, chosen, demo)
+        yield row("train_single_gpu.py --demo, its first run", "demo", 1, as_run(args, "demo", peaks)[0], demo)
+
+
+def as_run(args, name: str, peaks: dict) -> tuple[str, float]:
+    """The precision and layout the run `name` trained in, as its args.json records what auto chose for it (a DDP
+    run measures with its own share of the cores, and may choose otherwise than auto's row), and that precision's
+    peak."""
+    chose = json.loads((args.output_dir / "runs" / name / "args.json").read_text())
+    compute = Compute(AMP_DTYPES[chose["amp"]], chose["channels_last"])
+    return described(compute), peaks[peak_name(compute.amp_dtype)]
 
 
 @entry_point
@@ -661,7 +667,7 @@ def main(argv=None):
     measured_rows = itertools.chain(
         in_memory_rows(args, compute, peaks, flops),
         loader_rows(args, split, workers),
-        script_rows(args, compute, workers, nprocs, peaks, flops),
+        script_rows(args, workers, nprocs, peaks, flops),
     )
     for measured in measured_rows:  # each row measured, then recorded, before the next starts
         record(benchmark, measured, results)
