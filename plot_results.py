@@ -153,11 +153,15 @@ def plot_benchmark(benchmark: dict, path=None) -> Figure:
         f"{settings['img_size']} px" if "img_size" in settings else None,
         f"batch {settings['batch_size']} per process" if "batch_size" in settings else None,
         settings.get("precision"),
-        "channels_last" if settings.get("channels_last") else None,
+        # files written before the precision named its layout too
+        "channels_last"
+        if settings.get("channels_last") and "channels_last" not in settings.get("precision", "")
+        else None,
         f"torch {benchmark['torch']}" if benchmark.get("torch") else None,
     ]
-    title = textwrap.fill(", ".join(["Training throughput", *where]), 110) + "\n" + ", ".join(filter(None, how))
-    ax.set_title(title, fontsize=10)  # wrapped: a machine's description can be longer than the figure is wide
+    lines = [", ".join(["Training throughput", *where]), ", ".join(filter(None, how))]
+    # wrapped: the title is centred over the plot, which the row names leave narrower than the figure
+    ax.set_title("\n".join(textwrap.fill(line, 80) for line in lines), fontsize=10)
     if path is not None:
         save_png(fig, path)
     return fig
