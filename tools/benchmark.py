@@ -365,18 +365,11 @@ def auto_targets(rows: list[dict]) -> list[str]:
     verdict = lambda met: "met" if met else "NOT met"  # noqa: E731
     best = max(fixed, key=lambda row: row["img_per_sec"]) if fixed else None
     original = next((row for row in fixed if row["precision"] == "float32, NCHW"), None)
-    if auto and best:
-        ratio = auto["img_per_sec"] / best["img_per_sec"]
-        lines.append(f"auto ({auto['precision']}) against the best fixed configuration ({best['precision']}): "
-                     f"{ratio:.0%} ({verdict(ratio >= 0.95)}: >= 95 %)")  # fmt: skip
-    else:
-        lines.append("auto against the best fixed configuration: not measured")
-    if auto and original:
-        ratio = auto["img_per_sec"] / original["img_per_sec"]
-        lines.append(f"auto against the original's configuration (float32, NCHW): {ratio:.2f}x "
-                     f"({verdict(ratio >= 1.0)}: never slower)")  # fmt: skip
-    else:
-        lines.append("auto against the original's configuration (float32, NCHW): not measured")
+    best_named = f"the best fixed configuration ({best['precision']})" if best else "the best fixed configuration"
+    lines += [
+        ratio_target(f"auto (at least 95 %) against {best_named}", auto, best, 0.95, "{:.0%}"),
+        ratio_target("auto against the original's configuration (float32, NCHW)", auto, original, 1.0, "{:.2f}x"),
+    ]
     if auto and auto.get("measure_seconds") is not None:
         lines.append(f"auto's measuring took {auto['measure_seconds']:.1f} s of its first run's "
                      f"{auto['run_seconds']:.0f} s (no target)")  # fmt: skip
@@ -635,7 +628,8 @@ def main(argv=None):
     os.environ[CACHE_ENV] = str((args.output_dir / "autotune.json").resolve())
 
     print(f"Benchmark: {args.img_size} px, batch {args.batch_size}, data {args.data_path}, output {args.output_dir}")
-    print(f"Machine: {describe_machine(args.device)}")
+    machine = describe_machine(args.device)
+    print(f"Machine: {machine}")
     split = training_split(args.data_path, args.batch_size)
     auto, compute, workers = auto_run(args)  # first: the rows below compute as it chose
     print(f"auto chose {described(compute)}, {worker_phrase(workers)}; measuring took {auto['measure_seconds']} s")
@@ -646,7 +640,7 @@ def main(argv=None):
         + f"; a training step is {flops / 1e9:.2f} GFLOP per image"
     )  # fmt: skip
     benchmark = {
-        "machine": describe_machine(args.device),
+        "machine": machine,
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "settings": {
