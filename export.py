@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from multi_train_utils.distributed_utils import resolve_device
-from my_dataset import IMAGENET_MEAN, IMAGENET_STD, RESIZE_RATIO, image_problem, list_images
+from my_dataset import IMAGENET_MEAN, IMAGENET_STD, RESIZE_RATIO, image_problem, list_images, normalise
 from plumbing.inference import add_run_overrides, image_loader, load_trained_model
 from utils import HelpFormatter, Parser, UserError, check_writable, entry_point, write_atomically
 
@@ -205,7 +205,7 @@ def check_batch(trained, args, img_size: int) -> tuple[torch.Tensor, str]:
         return batch, f"a seeded random batch ({why}; --data-path names images to check on)"
     settings = SimpleNamespace(img_size=img_size, batch_size=len(images), workers=0)
     batch, _ = next(iter(image_loader(trained, settings, images, [0] * len(images))))
-    return batch, f"{len(images)} images of {data_path}"
+    return normalise(batch), f"{len(images)} images of {data_path}"  # the loader's 8-bit pixels, as the file takes them
 
 
 def max_difference(run, model, batch: torch.Tensor) -> float:

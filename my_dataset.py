@@ -16,20 +16,24 @@ import math
 import os
 import random
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 from torch.utils.data import Dataset, Sampler
 from torchvision.transforms import v2
 
+from plumbing.machine import cores_per_process, physical_memory
 from utils import UserError, write_json
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+MEAN_PIXEL = [round(255 * mean) for mean in IMAGENET_MEAN]  # the mean colour in 8 bits: what erasing fills with
 # Validation resizes to img_size * 256/224 (256 for 224) and takes the centre img_size, as for ImageNet.
 RESIZE_RATIO = 256 / 224
 AUTO_AUGMENT = {"trivialaugment": v2.TrivialAugmentWide, "randaugment": v2.RandAugment}  # --auto-augment's choices
@@ -259,9 +263,10 @@ def train_transform(img_size: int, auto_augment: str = "none", random_erase: flo
     """Random crop and flip, as for ImageNet training; then, if asked, TrivialAugmentWide or RandAugment (one or
     two random changes of colour, contrast, geometry ... per image), and random erasing of a rectangle.
 
-    The image becomes a uint8 tensor first: cropping, resizing and flipping 8-bit pixels is cheaper than on
-    PIL images or floats (measured 1.33 against 1.63 ms an image at 224 px), and only the final crop is
-    converted to float and normalised (erasing comes after: it fills with 0, the mean colour once normalised).
+    The image stays 8-bit throughout: cropping, resizing and flipping 8-bit pixels is cheaper than on PIL images
+    or floats (measured 1.33 against 1.63 ms an image at 224 px), and the crop travels to the device in a quarter
+    of float32's bytes, to be normalised there (normalise, called by Compute.batch_to). Erasing fills with the
+    mean colour (MEAN_PIXEL), about 0 once normalised.
     """
     crop = v2.RandomResizedCrop(img_size, antialias=True)
     # The smallest crop RandomResizedCrop takes (its smallest area fraction, at its most elongated aspect) spans
@@ -269,21 +274,26 @@ def train_transform(img_size: int, auto_augment: str = "none", random_erase: flo
     narrowest = min(crop.ratio[0], 1 / crop.ratio[1])
     min_side = math.ceil(img_size / math.sqrt(crop.scale[0] * narrowest))
     augment = [AUTO_AUGMENT[auto_augment]()] if auto_augment != "none" else []
-    erase = [v2.RandomErasing(random_erase)] if random_erase > 0 else []
-    steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip(), *augment, *to_normalised_float(), *erase]
+    erase = [v2.RandomErasing(random_erase, value=MEAN_PIXEL)] if random_erase > 0 else []
+    steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip(), *augment, *erase]
     return Preset(steps, min_side)
 
 
 def val_transform(img_size: int) -> Preset:
-    """Resize to img_size * RESIZE_RATIO and take the centre img_size, as for ImageNet validation."""
+    """Resize to img_size * RESIZE_RATIO and take the centre img_size, as for ImageNet validation (8-bit, as
+    train_transform's)."""
     resize = round(img_size * RESIZE_RATIO)
-    return Preset(
-        [v2.ToImage(), v2.Resize(resize, antialias=True), v2.CenterCrop(img_size), *to_normalised_float()], resize
-    )
+    return Preset([v2.ToImage(), v2.Resize(resize, antialias=True), v2.CenterCrop(img_size)], resize)
 
 
-def to_normalised_float() -> list:
-    return [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+def normalise(images: torch.Tensor) -> torch.Tensor:
+    """Images as the network takes them (one, or a batch; on any device): 8-bit ones, as the transforms above
+    leave them, become float32 from 0 to 1, less the ImageNet mean, over its standard deviation; any other type
+    is taken to be the network's input already (normalised by an earlier call) and returned as it is."""
+    if images.dtype != torch.uint8:
+        return images
+    pixels = v2.functional.to_dtype(images, torch.float32, scale=True)
+    return v2.functional.normalize(pixels, IMAGENET_MEAN, IMAGENET_STD)
 
 
 def load_rgb(path, min_side: int | None = None) -> Image.Image:
@@ -294,9 +304,7 @@ def load_rgb(path, min_side: int | None = None) -> Image.Image:
     224 px decodes 64 times fewer pixels. Smaller images, and other formats, are decoded in full.
     """
     with Image.open(path) as image:
-        if min_side is not None and min(image.size) > 2 * min_side:
-            scale = min_side / min(image.size)
-            image.draft("RGB", (math.ceil(image.width * scale), math.ceil(image.height * scale)))
+        draft(image, min_side)
         image = ImageOps.exif_transpose(image)  # phone photos are often stored sideways with a rotation tag
         if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
             # 16-bit and float pixels: scale to 0..255 instead of clipping everything above 255 to white.
@@ -308,6 +316,28 @@ def load_rgb(path, min_side: int | None = None) -> Image.Image:
         return image.convert("RGB")
 
 
+def draft(image: Image.Image, min_side: int | None) -> None:
+    """Have PIL decode a JPEG opened as `image` at 1/2, 1/4 or 1/8 scale where its shorter side stays at least
+    `min_side` (load_rgb). The image's size says the reduced size at once, before anything is decoded."""
+    if min_side is not None and min(image.size) > 2 * min_side:
+        scale = min_side / min(image.size)
+        image.draft("RGB", (math.ceil(image.width * scale), math.ceil(image.height * scale)))
+
+
+def decoded_size(path, min_side: int | None = None) -> tuple[int, int] | None:
+    """(height, width) of load_rgb(path, min_side)'s image, from the file's header alone (nothing is decoded):
+    the reduced JPEG scale, and the sides swapped by an EXIF rotation of a quarter turn. None if PIL cannot
+    open the file."""
+    try:
+        with Image.open(path) as image:
+            draft(image, min_side)
+            width, height = image.size
+            quarter_turn = image.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)
+    except Exception:  # PIL raises many types for a file that is not an image
+        return None
+    return (width, height) if quarter_turn else (height, width)
+
+
 # The label of an image that could not be read during a run (deleted or broken after the start-up check): the
 # loss ignores it (nn.CrossEntropyLoss's ignore_index), evaluation leaves it out of its counts.
 SKIPPED = -100
@@ -316,10 +346,11 @@ SKIPPED = -100
 class MyDataSet(Dataset):
     """Images and their class labels; items are (image tensor, label).
 
-    A transform that is a Preset also says how small a large JPEG may be decoded (see load_rgb). An image that
-    cannot be read when its turn comes (it vanished or broke after the start-up check) is skipped with a warning
-    naming it: its item is a blank image, transformed as any other (so the batch keeps its shape), labelled
-    SKIPPED.
+    A transform that is a Preset also says how small a large JPEG may be decoded (see load_rgb). With
+    `decoded` (set by decode_once), an image is taken from memory, decoded there once as load_rgb decodes it,
+    instead of from its file. An image that cannot be read when its turn comes (it vanished or broke after the
+    start-up check) is skipped with a warning naming it: its item is a blank image, transformed as any other (so
+    the batch keeps its shape), labelled SKIPPED.
     """
 
     def __init__(self, images_path, images_class, transform=None):
@@ -329,28 +360,113 @@ class MyDataSet(Dataset):
         self.images_class = list(images_class)
         self.transform = transform
         self.min_side = getattr(transform, "min_side", None)
+        self.decoded: DecodedImages | None = None
 
     def __len__(self):
         return len(self.images_path)
 
     def __getitem__(self, index):
         path, label = self.images_path[index], self.images_class[index]
-        try:
-            image = load_rgb(path, self.min_side)
-        except Exception as error:  # PIL raises many types for a file that is gone or no longer an image
-            print(f"warning: skipped unreadable image {path} ({type(error).__name__}: {error})", file=sys.stderr)
-            image, label = Image.new("RGB", (self.min_side or 1,) * 2), SKIPPED
+        image = None if self.decoded is None else self.decoded[index]
+        if image is None:
+            try:
+                image = load_rgb(path, self.min_side)
+            except Exception as error:  # PIL raises many types for a file that is gone or no longer an image
+                print(f"warning: skipped unreadable image {path} ({type(error).__name__}: {error})", file=sys.stderr)
+                image, label = Image.new("RGB", (self.min_side or 1,) * 2), SKIPPED
         if self.transform is not None:
             image = self.transform(image)
         return image, label
 
 
-def datasets(split: DataSplit, config) -> tuple["SeededSamples", MyDataSet]:
+class DecodedImages:
+    """The images of a MyDataSet decoded once, as load_rgb decodes them, and kept as 8-bit pixels in one tensor:
+    image i is `shapes[i]` (height, width) x 3 bytes from `pixels[offsets[i]]`, given out as the 3 x height x
+    width tensor v2.ToImage makes of load_rgb's image, so every transform computes exactly what it would on the
+    file's image. An offset of -1: the image was not decoded (its file could not be), and is read from its file.
+
+    Loader workers share the tensor, not copies of it: those started by fork (Linux) inherit it, those started by
+    spawn (Windows, macOS) receive it in shared memory, as torch hands tensors to other processes."""
+
+    def __init__(self, pixels: torch.Tensor, offsets: torch.Tensor, shapes: torch.Tensor):
+        self.pixels, self.offsets, self.shapes = pixels, offsets, shapes
+
+    def __getitem__(self, index: int) -> torch.Tensor | None:
+        offset = int(self.offsets[index])
+        if offset < 0:
+            return None
+        height, width = self.shapes[index].tolist()
+        return self.pixels[offset : offset + height * width * 3].view(height, width, 3).permute(2, 0, 1)
+
+
+def decode_once(sets: list[MyDataSet], gigabytes: float | None, processes_here: int = 1) -> str:
+    """Decode every image of `sets` once into memory (DecodedImages), if all of them fit in `gigabytes` (None: a
+    quarter of this machine's memory, shared among its `processes_here` training processes, each of which holds
+    its own; 0: none), so that an epoch only crops and flips them. Returns the line saying what it did.
+
+    The sizes come first, from the files' headers (decoded_size), to know whether they fit before decoding any.
+    This process's share of the cores decode them, in threads (PIL decodes without holding the GIL)."""
+    memory = physical_memory() if gigabytes is None else None
+    if gigabytes is None and memory is None:
+        return "Images: decoded from their files every epoch: this system does not say its memory (--image-cache-gb)"
+    budget = memory / 4 / processes_here if gigabytes is None else gigabytes * 1e9
+    if not budget:
+        return "Images: decoded from their files every epoch (--image-cache-gb 0)"
+    start, threads = time.perf_counter(), cores_per_process(processes_here)
+    with ThreadPoolExecutor(threads) as pool:
+        sizes = [list(pool.map(decoded_size, data.images_path, itertools.repeat(data.min_side))) for data in sets]
+        needed = sum(3 * height * width for shapes in sizes for height, width in filter(None, shapes))
+        if needed > budget:
+            return (
+                f"Images: decoded from their files every epoch: decoded, they would take {needed / 1e9:.1f} GB, "
+                f"more than the {budget / 1e9:.1f} GB of --image-cache-gb"
+            )
+        for data, shapes in zip(sets, sizes, strict=True):
+            data.decoded = decoded_images(data, shapes, pool)
+    images = sum(int((data.decoded.offsets >= 0).sum()) for data in sets)
+    return (
+        f"Images: {images} decoded once into memory ({needed / 1e9:.2f} GB, {time.perf_counter() - start:.1f} s, "
+        f"{threads} threads): every epoch crops and flips them there"
+    )
+
+
+def decoded_images(data: MyDataSet, shapes: list, pool: ThreadPoolExecutor) -> DecodedImages:
+    """`data`'s images decoded by `pool`'s threads into one tensor, image i where `shapes[i]` (decoded_size)
+    says it fits; one whose file cannot be decoded, or decodes to another size than its header said, is left
+    to be read from its file (offset -1)."""
+    sizes = [3 * shape[0] * shape[1] if shape else 0 for shape in shapes]
+    ends = list(itertools.accumulate(sizes))
+    pixels = torch.empty(ends[-1] if ends else 0, dtype=torch.uint8)
+    offsets = torch.tensor([end - size for end, size in zip(ends, sizes, strict=True)], dtype=torch.int64)
+
+    def decode(index: int) -> bool:
+        if not sizes[index]:
+            return False
+        try:
+            image = np.asarray(load_rgb(data.images_path[index], data.min_side))
+        except Exception:  # PIL raises many types for a file that is gone or no longer an image
+            return False
+        if image.shape != (*shapes[index], 3):
+            return False
+        pixels[offsets[index] : ends[index]].numpy()[:] = image.reshape(-1)
+        return True
+
+    decoded = torch.tensor(list(pool.map(decode, range(len(sizes)))), dtype=torch.bool)
+    offsets[~decoded] = -1
+    shape_table = torch.tensor([shape or (0, 0) for shape in shapes], dtype=torch.int64).reshape(-1, 2)
+    return DecodedImages(pixels, offsets, shape_table)
+
+
+def datasets(split: DataSplit, config, processes_here: int = 1) -> tuple["SeededSamples", MyDataSet, str]:
     """The training set (augmented, each image seeded by SeededBatchSampler) and the validation set of a split,
-    at `config`'s image size and augmentation (a Config: img_size, auto_augment, random_erase)."""
+    at `config`'s image size and augmentation (a Config: img_size, auto_augment, random_erase), their images
+    decoded once into memory where --image-cache-gb allows (decode_once, for one of `processes_here` training
+    processes on this machine); and the line saying whether they were."""
     augment = train_transform(config.img_size, auto_augment=config.auto_augment, random_erase=config.random_erase)
-    train_set = SeededSamples(MyDataSet(split.train_images, split.train_labels, augment))
-    return train_set, MyDataSet(split.val_images, split.val_labels, val_transform(config.img_size))
+    train_set = MyDataSet(split.train_images, split.train_labels, augment)
+    val_set = MyDataSet(split.val_images, split.val_labels, val_transform(config.img_size))
+    decoded = decode_once([train_set, val_set], config.image_cache_gb, processes_here)
+    return SeededSamples(train_set), val_set, decoded
 
 
 class SeededSamples(Dataset):

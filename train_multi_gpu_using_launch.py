@@ -58,15 +58,16 @@ def main(argv=None):
 def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
+    # The images, decoded once into memory where they fit (--image-cache-gb). DDP: each process decodes its own
+    train_set, val_set, decoded = datasets(plan.split, config, process.local_world_size)
     # DDP: the processes on this machine share its cores; what the flags leave to auto, rank 0 measures for all
-    workers, compute = tune(config, plan, device, process.local_world_size)
-    announce(config.script, process, plan.split, workers)
+    workers, compute = tune(config, plan, device, process.local_world_size, train_set)
+    announce(config.script, process, plan.split, workers, decoded)
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
     loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
     loading["worker_init_fn"] = ignore_stop_signals  # a stop signal is for this process to act on, at a step
 
     # The data. DDP: each process trains on its own shard of every epoch's shuffle (a DistributedSampler)...
-    train_set, val_set = datasets(plan.split, config)
     batches = shuffled_batches(train_set, config.batch_size, config.seed, process.rank, process.world_size)
     train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
     # ... and validates images rank, rank + world size, ...: every image once over the processes, none padded

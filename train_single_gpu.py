@@ -38,16 +38,17 @@ def main(argv=None):
 def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
+    # The images, decoded once into memory where they fit (--image-cache-gb): every epoch then only crops and flips
+    train_set, val_set, decoded = datasets(plan.split, config, 1)
     # This process has the machine's cores; the loader workers, precision and layout the flags leave to auto are
     # measured on them (or remembered from an earlier run): plumbing/autotune.py
-    workers, compute = tune(config, plan, device, 1)
-    announce(config.script, process, plan.split, workers)
+    workers, compute = tune(config, plan, device, 1, train_set)
+    announce(config.script, process, plan.split, workers, decoded)
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
     loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
     loading["worker_init_fn"] = ignore_stop_signals  # a stop signal is for this process to act on, at a step
 
     # The data: every epoch a new seeded shuffle of all the training images, in batches
-    train_set, val_set = datasets(plan.split, config)
     batches = shuffled_batches(train_set, config.batch_size, config.seed)
     train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
     val_loader = DataLoader(val_set, batch_size=config.batch_size, **loading)

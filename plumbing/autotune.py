@@ -12,12 +12,12 @@ measured. For the rest, a run times what it may choose between before it trains:
   CPU, a GPU warming up) slows every candidate alike, and each keeps its fastest step: one round, and more (up to
   MAX_ROUNDS) only while the measuring stays within MEASURE_SHARE of the run's training (at the demo's size on 2
   cores: one round, 8 steps against the demo's 144). The fastest candidate wins.
-- loader workers: the seconds one core takes to load a training image (read, decode, crop, flip, normalise),
-  against the seconds per image of the chosen step. On a GPU the cores only load, so enough workers to load
-  faster than the GPU trains, with room to spare. On the CPU every worker takes a core from the compute threads,
-  so the count whose estimated speed is best (no worker: load, then train; w workers: the slower of loading on w
-  cores and training on the rest). This is estimated from the two measurements, not timed: starting loader
-  processes takes seconds each, more than the few seconds all of this may cost.
+- loader workers: the seconds one core takes to load a training image (crop and flip; read and decode first where
+  the images were not decoded once into memory), against the seconds per image of the chosen step. On a GPU the
+  cores only load, so enough workers to load faster than the GPU trains, with room to spare. On the CPU every worker
+  takes a core from the compute threads, so the count whose estimated speed is best (no worker: load, then train; w
+  workers: the slower of loading on w cores and training on the rest). This is estimated from the two measurements,
+  not timed: starting loader processes takes seconds each, more than the few seconds all of this may cost.
 
 The choice is printed, with what was measured, and kept in a small JSON file (cache_file: delete it at will, or
 pass --remeasure) under a key naming the machine (processor, the instruction set torch computes with and the
@@ -44,7 +44,6 @@ from filelock import FileLock, Timeout
 
 from model import create_model, freeze_all_but_head
 from multi_train_utils.distributed_utils import broadcast_object, get_world_size, is_main_process, print_once
-from my_dataset import datasets
 from plumbing.compute import (
     AMP_DTYPES,
     Compute,
@@ -89,17 +88,17 @@ class Choice:
         return Compute(AMP_DTYPES[self.amp], self.channels_last)
 
 
-def tune(config, plan, device: torch.device, processes_here: int) -> tuple[int, Compute]:
+def tune(config, plan, device: torch.device, processes_here: int, train_set) -> tuple[int, Compute]:
     """This process's loader workers and how it computes: what the flags give, the rest measured on this machine
-    (or remembered from an earlier run), the same on every rank. Sets this process's compute threads on the CPU
-    (its share of the cores, less its loader workers) and prints the choice."""
+    (or remembered from an earlier run), the same on every rank; loading is timed on `train_set`. Sets this
+    process's compute threads on the CPU (its share of the cores, less its loader workers) and prints the choice."""
     if config.amp != "auto" and config.channels_last is not None and config.workers is not None:
         workers = use_cores(device, processes_here, config.batch_size, config.workers)
         compute, line = choose_compute(config.amp, config.channels_last, device)
         print_once(line)
         return workers, compute
     threads = share_cores(device, processes_here, config)
-    choice = cached_or_measured(config, plan, device, processes_here) if is_main_process() else None
+    choice = cached_or_measured(config, plan, device, processes_here, train_set) if is_main_process() else None
     choice = broadcast_object(choice)  # DDP: every rank trains as rank 0 chose; the others waited here
     workers = choice.workers if config.workers is None else config.workers
     if device.type == "cpu" and config.workers is None:
@@ -130,7 +129,7 @@ def reasons(config, device: torch.device) -> tuple[str, str]:
     return amp_reason, "--channels-last" if config.channels_last else "--no-channels-last"
 
 
-def cached_or_measured(config, plan, device: torch.device, processes_here: int) -> Choice:
+def cached_or_measured(config, plan, device: torch.device, processes_here: int, train_set) -> Choice:
     """The choice remembered for this machine and configuration, else (or with --remeasure) a new one, measured
     and remembered."""
     path, key = cache_file(), cache_key(config, plan, device, processes_here)
@@ -138,7 +137,7 @@ def cached_or_measured(config, plan, device: torch.device, processes_here: int) 
         cached = remembered(path, key)
         if cached is not None:
             return cached
-    choice = measure(config, plan, device, processes_here)
+    choice = measure(config, plan, device, processes_here, train_set)
     if not choice.measured:
         return choice  # nothing was left to measure here (one candidate, no core to spare for a loader)
     kept = remember(path, key, choice)
@@ -146,8 +145,9 @@ def cached_or_measured(config, plan, device: torch.device, processes_here: int) 
     return Choice(**{**asdict(choice), "lines": (*choice.lines, f"Auto: {where}")})
 
 
-def measure(config, plan, device: torch.device, processes_here: int) -> Choice:
-    """Time the candidates (precision, layout) the flags leave open, then the loading, and choose."""
+def measure(config, plan, device: torch.device, processes_here: int, train_set) -> Choice:
+    """Time the candidates (precision, layout) the flags leave open, then the loading of `train_set`, and
+    choose."""
     start = time.perf_counter()
     candidates = compute_candidates(config.amp, config.channels_last, device)
     share = torch.get_num_threads() if device.type == "cpu" else cores_per_process(processes_here)
@@ -160,7 +160,7 @@ def measure(config, plan, device: torch.device, processes_here: int) -> Choice:
     lines = [measured_line(speeds, config, device)]
     workers, load_ms = config.workers or 0, None
     if workers_to_choose:
-        load = time_loading(plan.split, config)
+        load = time_loading(train_set)
         workers, why = choose_workers(device, share, 1 / speeds[fastest], load)
         lines.append(f"Auto: {why}")
         load_ms = round(load * 1000, 3)
@@ -265,11 +265,11 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def time_loading(split, config) -> float:
-    """Seconds one core takes to load one training image as a loader worker does (read the file, decode, crop,
-    flip, normalise): a worker computes with one thread, so this does too. The mean over LOAD_IMAGES images
-    after an untimed first one (it opens the first file, imports image plug-ins)."""
-    train_set = datasets(split, config)[0]
+def time_loading(train_set) -> float:
+    """Seconds one core takes to load one image of `train_set` as a loader worker does (crop and flip; read and
+    decode the file first where the images were not decoded once into memory): a worker computes with one
+    thread, so this does too. The mean over LOAD_IMAGES images after an untimed first one (it imports image
+    plug-ins)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

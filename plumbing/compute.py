@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from my_dataset import normalise
 from plumbing.machine import cpu_bfloat16
 
 
@@ -34,9 +35,12 @@ class Compute:
         return torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
 
     def batch_to(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # non_blocking only pays on CUDA, from the pinned memory the loader fills there.
+        """A batch of images on `device`, in this memory layout. 8-bit images, as the loaders give them, travel
+        as they are (a quarter of float32's bytes) and are normalised there (my_dataset.normalise)."""
         device = torch.device(device)
-        return images.to(device, non_blocking=device.type == "cuda", memory_format=self.memory_format)
+        # non_blocking only pays on CUDA, from the pinned memory the loader fills there.
+        images = normalise(images.to(device, non_blocking=device.type == "cuda"))
+        return images.contiguous(memory_format=self.memory_format)
 
 
 # The --amp values and what each computes in.

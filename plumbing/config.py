@@ -207,6 +207,12 @@ class Config:
         "torch.compile the model: faster steps after a compilation of a minute or more at the start",
         action="store_true",
     )
+    image_cache_gb: float | None = speed_flag(
+        None,
+        "memory for the images decoded once, in GB per training process (default: a quarter of this machine's "
+        "memory, shared among its training processes; 0: decode every image every epoch, from its file)",
+        type=number(float, 0),
+    )
     persistent_workers: bool = speed_flag(
         True,
         "keep loader processes between epochs (off restarts them every epoch, as the original scripts did)",

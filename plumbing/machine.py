@@ -56,6 +56,24 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (all of it, not what is free), or None where the system does not say."""
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:  # Linux, macOS
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if os.name == "nt":
+        import ctypes  # Windows: GlobalMemoryStatusEx fills this structure
+
+        class MemoryStatus(ctypes.Structure):
+            _fields_ = [("length", ctypes.c_ulong), ("load", ctypes.c_ulong)]
+            _fields_ += [(name, ctypes.c_ulonglong) for name in ("total", "free", "pages", "pages_free", "virtual")]
+            _fields_ += [("virtual_free", ctypes.c_ulonglong), ("extended", ctypes.c_ulonglong)]
+
+        status = MemoryStatus(length=ctypes.sizeof(MemoryStatus))
+        if ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
+            return status.total
+    return None
+
+
 def cpu_name() -> str:
     """E.g. "AMD EPYC", "Apple M2": from /proc/cpuinfo on Linux, sysctl on macOS (where platform.processor()
     says only "arm"), the platform's own answer elsewhere (Windows: family, model and vendor)."""

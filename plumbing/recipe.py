@@ -19,7 +19,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
 from multi_train_utils.distributed_utils import print_once
-from my_dataset import SKIPPED, sample_seed
+from my_dataset import SKIPPED, normalise, sample_seed
 
 
 def build_optimizer(model, config, batches_per_epoch: int, world_size: int = 1):
@@ -111,6 +111,7 @@ class Objective:
         """
         if self.mixer is None:
             return images, None
+        images = normalise(images)  # the network's inputs are mixed (as Compute.batch_to gives them, unchanged)
         with torch.random.fork_rng(devices=[]):  # the draw leaves the training's own random stream alone
             torch.default_generator.manual_seed(sample_seed(self.seed, epoch, step))
             return self.mixer(images, torch.eye(len(images), device=images.device))

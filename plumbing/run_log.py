@@ -12,15 +12,16 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
 from multi_train_utils.distributed_utils import on_main_process, print_once
-from my_dataset import IMAGENET_MEAN, IMAGENET_STD, DataSplit, split_fingerprint, write_class_indices
+from my_dataset import DataSplit, split_fingerprint, write_class_indices
 from plumbing.checkpoint import CHECKPOINT_NAME, save_atomically, save_epoch, training_state
 from plumbing.compute import Compute, amp_flag
 from plumbing.preemption import StopRequested, stop_signals_noted
 from utils import OutputError, describe, write_atomically, write_failure, write_json
 
 
-def announce(script: str, process, split: DataSplit, workers: int) -> None:
-    """The run's first lines: how many processes on what, and the data."""
+def announce(script: str, process, split: DataSplit, workers: int, decoded: str) -> None:
+    """The run's first lines: how many processes on what, and the data (`decoded`: whether its images were
+    decoded once into memory, my_dataset.decode_once's line)."""
     backend = f", backend {torch.distributed.get_backend()}" if process.distributed else ""
     print_once(f"{script}: {process.world_size} process(es) on {process.device.type}{backend}")
     if process.device.type == "cpu" and not torch.cuda.is_available():
@@ -31,6 +32,7 @@ def announce(script: str, process, split: DataSplit, workers: int) -> None:
         f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
         f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; {workers} loader workers per process"
     )
+    print_once(decoded)
 
 
 def best_so_far(metrics: dict, model, ema, best_acc: float):
@@ -222,8 +224,7 @@ def preview_figure(model, preview, classes: list[str], compute: Compute):
     model.eval()
     with compute.autocast(device):
         predicted = model(compute.batch_to(images, device)).argmax(dim=1).tolist()
-    mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    pixels = (images * std + mean).clamp(0, 1).permute(0, 2, 3, 1).numpy()  # undo Normalize, to HxWx3
+    pixels = (images.permute(0, 2, 3, 1) / 255).numpy()  # the loader's 8-bit pixels, as HxWx3 from 0 to 1
     from plot_results import plot_predictions  # matplotlib: imported by rank 0 alone, when it first draws
 
     return plot_predictions(pixels, labels, predicted, classes)

@@ -23,6 +23,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 FP32, FP32_CL = Compute(None, False), Compute(None, True)
 BF16, BF16_CL = Compute(torch.bfloat16, False), Compute(torch.bfloat16, True)
 AUTO = Config(model="resnet18", img_size=32, batch_size=8, workers=0)  # precision and layout left to auto
+NOT_LOADED = None  # the training set tune times loading on: these tests give --workers, or fake its timing
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def forbid_measuring(monkeypatch):
 @pytest.mark.fast
 def test_auto_chooses_the_fastest_of_what_it_measured(machine, plan, capsys, fastest):
     machine.seconds[fastest] = 0.5
-    workers, compute = tune(AUTO, plan, CPU, 1)
+    workers, compute = tune(AUTO, plan, CPU, 1, NOT_LOADED)
     assert compute == fastest and workers == 0
     assert machine.timed == [[FP32, BF16, FP32_CL, BF16_CL]]  # every candidate, NCHW first
     printed = capsys.readouterr().out
@@ -105,10 +106,10 @@ def test_turns_keep_each_candidates_fastest_step_and_stop_at_the_measuring_budge
 @pytest.mark.fast
 def test_the_second_run_takes_the_remembered_choice_without_measuring(machine, plan, capsys, monkeypatch):
     machine.seconds[BF16_CL] = 0.5
-    first = tune(AUTO, plan, CPU, 1)
+    first = tune(AUTO, plan, CPU, 1, NOT_LOADED)
     assert "Auto: remembered in " + str(cache_file()) in capsys.readouterr().out
     forbid_measuring(monkeypatch)
-    assert tune(AUTO, plan, CPU, 1) == first == (0, BF16_CL)
+    assert tune(AUTO, plan, CPU, 1, NOT_LOADED) == first == (0, BF16_CL)
     printed = capsys.readouterr().out
     assert "Auto: bfloat16 channels_last, 0 loader workers, as measured on " in printed and "timed" not in printed
     [entry] = json.loads(cache_file().read_text())["entries"]
@@ -122,7 +123,7 @@ def test_the_second_run_takes_the_remembered_choice_without_measuring(machine, p
 )
 @pytest.mark.fast
 def test_another_machine_torch_or_configuration_is_measured_anew(machine, plan, monkeypatch, change):
-    tune(AUTO, plan, CPU, 1)
+    tune(AUTO, plan, CPU, 1, NOT_LOADED)
     config, processes = AUTO, 1
     if change == "processor":
         monkeypatch.setattr(autotune, "cpu_name", lambda: "Some Other CPU")
@@ -137,19 +138,19 @@ def test_another_machine_torch_or_configuration_is_measured_anew(machine, plan, 
     else:
         field = {"image size": "img_size", "batch size": "batch_size", "model": "model"}[change]
         config = replace(AUTO, **{field: {"img_size": 64, "batch_size": 16, "model": "resnet50"}[field]})
-    tune(config, plan, CPU, processes)
+    tune(config, plan, CPU, processes, NOT_LOADED)
     assert len(machine.timed) == 2  # measured again...
     assert len(json.loads(cache_file().read_text())["entries"]) == 2  # ...and both choices kept
 
 
 @pytest.mark.fast
 def test_remeasure_measures_again_and_replaces_the_remembered_choice(machine, plan):
-    assert tune(AUTO, plan, CPU, 1)[1] == FP32
+    assert tune(AUTO, plan, CPU, 1, NOT_LOADED)[1] == FP32
     machine.seconds[BF16] = 0.1  # the machine has changed (say, another BIOS setting)
-    assert tune(AUTO, plan, CPU, 1)[1] == FP32  # remembered
-    assert tune(replace(AUTO, remeasure=True), plan, CPU, 1)[1] == BF16
+    assert tune(AUTO, plan, CPU, 1, NOT_LOADED)[1] == FP32  # remembered
+    assert tune(replace(AUTO, remeasure=True), plan, CPU, 1, NOT_LOADED)[1] == BF16
     assert len(machine.timed) == 2
-    assert tune(AUTO, plan, CPU, 1)[1] == BF16  # the new choice replaced the old
+    assert tune(AUTO, plan, CPU, 1, NOT_LOADED)[1] == BF16  # the new choice replaced the old
     assert len(json.loads(cache_file().read_text())["entries"]) == 1
 
 
@@ -157,7 +158,7 @@ def test_remeasure_measures_again_and_replaces_the_remembered_choice(machine, pl
 def test_flags_that_say_everything_are_never_measured_nor_remembered(machine, plan, capsys, monkeypatch):
     forbid_measuring(monkeypatch)
     pinned = replace(AUTO, amp="bf16", channels_last=True, workers=0, remeasure=True)
-    assert tune(pinned, plan, CPU, 1) == (0, BF16_CL)
+    assert tune(pinned, plan, CPU, 1, NOT_LOADED) == (0, BF16_CL)
     printed = capsys.readouterr().out
     assert printed == "Precision: bfloat16 autocast (--amp bf16); memory layout channels_last (--channels-last)\n"
     assert not cache_file().exists()
@@ -165,15 +166,15 @@ def test_flags_that_say_everything_are_never_measured_nor_remembered(machine, pl
 
 @pytest.mark.fast
 def test_a_given_flag_is_not_measured_and_the_rest_is(machine, plan, monkeypatch):
-    assert tune(replace(AUTO, amp="off"), plan, CPU, 1)[1] == FP32  # the layout alone is timed
-    assert tune(replace(AUTO, channels_last=True), plan, CPU, 1)[1] == FP32_CL  # the precision alone
+    assert tune(replace(AUTO, amp="off"), plan, CPU, 1, NOT_LOADED)[1] == FP32  # the layout alone is timed
+    assert tune(replace(AUTO, channels_last=True), plan, CPU, 1, NOT_LOADED)[1] == FP32_CL  # the precision alone
     assert machine.timed == [[FP32, FP32_CL], [FP32_CL, BF16_CL]]
     # On a GPU with precision and layout given, the step is timed all the same: the workers must keep up with it
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
-    monkeypatch.setattr(autotune, "time_loading", lambda split, config: 0.002)
+    monkeypatch.setattr(autotune, "time_loading", lambda train_set: 0.002)
     monkeypatch.setattr(autotune, "cores_per_process", lambda processes_here: 8)
     machine.seconds[BF16] = 0.001  # seconds per image
-    workers, compute = tune(replace(AUTO, amp="bf16", channels_last=False, workers=None), plan, CUDA, 1)
+    workers, compute = tune(replace(AUTO, amp="bf16", channels_last=False, workers=None), plan, CUDA, 1, NOT_LOADED)
     assert compute == BF16 and machine.timed[-1] == [BF16]
     assert workers == 3  # loading 1.5 times as fast as training: 1.5 x 2 ms / 1 ms
 
@@ -182,7 +183,7 @@ def test_a_given_flag_is_not_measured_and_the_rest_is(machine, plan, monkeypatch
 def test_a_cache_file_that_is_not_ours_is_measured_over(machine, plan):
     cache_file().parent.mkdir(parents=True)
     cache_file().write_text("not json {")
-    assert tune(AUTO, plan, CPU, 1)[1] == FP32
+    assert tune(AUTO, plan, CPU, 1, NOT_LOADED)[1] == FP32
     assert len(json.loads(cache_file().read_text())["entries"]) == 1
 
 
@@ -246,7 +247,7 @@ def _tune_in_rank(rank, world_size, cache, results):
     for cap in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         os.environ.pop(cap, None)
     plan = SimpleNamespace(split=SimpleNamespace(classes=list("abcde")), data_path=cache.parent)
-    workers, compute = tune(AUTO, plan, CPU, world_size)
+    workers, compute = tune(AUTO, plan, CPU, world_size, NOT_LOADED)
     (results / str(rank)).write_text(json.dumps([short_name(compute), workers, timed]))
 
 
@@ -283,7 +284,7 @@ def test_a_run_with_auto_measures_and_remembers_and_the_next_starts_at_once(tiny
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_auto_times_its_candidates(plan, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "autotune.json"))
-    workers, compute = tune(AUTO, plan, torch.device("cuda", 0), 1)
+    workers, compute = tune(AUTO, plan, torch.device("cuda", 0), 1, NOT_LOADED)
     entry = json.loads((tmp_path / "autotune.json").read_text())["entries"][0]
     assert short_name(compute) == max(entry["choice"]["measured"], key=entry["choice"]["measured"].get)
     assert entry["key"]["gpu"] == torch.cuda.get_device_name(0) and workers == 0

@@ -1,15 +1,21 @@
-"""MyDataSet: every image mode becomes a 3-channel tensor; augmentation follows the per-sample seed."""
+"""MyDataSet: every image mode becomes a 3-channel 8-bit tensor; augmentation follows the per-sample seed; images
+decoded once into memory give exactly what their files give."""
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DataLoader, get_worker_info
 
+import my_dataset
 from my_dataset import (
+    SKIPPED,
     MyDataSet,
     SeededBatchSampler,
     SeededSamples,
+    decode_once,
     load_rgb,
+    normalise,
     sample_seed,
     train_transform,
     val_transform,
@@ -41,7 +47,7 @@ def test_every_image_mode_loads_as_three_channels(tmp_path, mode):
     path = save(tmp_path / "image", mode)
     assert load_rgb(path).mode == "RGB"
     image, label = MyDataSet([path], [3], val_transform(32))[0]
-    assert image.shape == (3, 32, 32) and image.dtype == torch.float32
+    assert image.shape == (3, 32, 32) and image.dtype == torch.uint8  # normalised on the device, by batch_to
     assert label == 3
 
 
@@ -97,8 +103,94 @@ def test_a_large_jpeg_is_decoded_at_reduced_scale_to_nearly_the_same_tensor(tmp_
     assert load_rgb(path, min_side=train_transform(64).min_side).size == (400, 300)  # 1/4: 300 >= 262
     assert load_rgb(path, min_side=2000).size == (1600, 1200)  # never smaller than asked
     transform = val_transform(64)
-    full, reduced = transform(load_rgb(path)), transform(load_rgb(path, min_side=transform.min_side))
+    full, reduced = (normalise(transform(load_rgb(path, min_side))) for min_side in (None, transform.min_side))
     assert (full - reduced).abs().mean() < 0.02  # normalised units: about half a grey level
     png = tmp_path / "photo.png"
     Image.open(path).save(png)
     assert load_rgb(png, min_side=transform.min_side).size == (1600, 1200)  # only JPEG decodes at reduced scale
+
+
+def varied_images(folder) -> list:
+    """Files that load_rgb decodes each its own way: a large JPEG (decoded at reduced scale), a JPEG stored
+    sideways with an EXIF rotation, an RGBA PNG, a 16-bit grey PNG, a small JPEG, and a file that is no image."""
+    rng = np.random.default_rng(0)
+    smooth = Image.fromarray(rng.integers(0, 255, (15, 20, 3), dtype=np.uint8)).resize((1600, 1200), Image.BICUBIC)
+    smooth.save(folder / "large.jpg", quality=90)
+    sideways = Image.fromarray(rng.integers(0, 255, (60, 90, 3), dtype=np.uint8))
+    exif = sideways.getexif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    sideways.save(folder / "sideways.jpg", exif=exif)
+    Image.fromarray(rng.integers(0, 255, (50, 70, 4), dtype=np.uint8), "RGBA").save(folder / "alpha.png")
+    Image.fromarray(rng.integers(0, 65535, (40, 30), dtype=np.uint16)).save(folder / "grey16.png")
+    Image.fromarray(rng.integers(0, 255, (80, 100, 3), dtype=np.uint8)).save(folder / "small.jpg")
+    (folder / "broken.jpg").write_bytes(b"not a JPEG")
+    return [
+        folder / name for name in ("large.jpg", "sideways.jpg", "alpha.png", "grey16.png", "small.jpg", "broken.jpg")
+    ]
+
+
+@pytest.mark.parametrize("transform", ["train", "val"])
+def test_images_decoded_once_give_exactly_the_items_their_files_give(tmp_path, transform, capsys):
+    paths = varied_images(tmp_path)
+    preset = (
+        train_transform(48, auto_augment="trivialaugment", random_erase=0.5)
+        if transform == "train"
+        else val_transform(48)
+    )
+    from_files = SeededSamples(MyDataSet(paths, list(range(len(paths))), preset))
+    in_memory = SeededSamples(MyDataSet(paths, list(range(len(paths))), preset))
+    line = decode_once([in_memory.dataset], gigabytes=1)
+    assert line.startswith("Images: 5 decoded once into memory")
+    assert load_rgb(paths[1]).size == (60, 90)  # the sideways JPEG, turned upright as its EXIF says
+    assert in_memory.dataset.decoded.offsets[-1] == -1  # the broken file: read (and skipped) at its turn, as before
+    for index in range(len(paths)):
+        for seed in (1, 2, 3):
+            (expected, expected_label), (got, label) = from_files[(index, seed)], in_memory[(index, seed)]
+            assert expected.dtype == got.dtype == torch.uint8
+            assert torch.equal(expected, got) and label == expected_label
+    assert label == SKIPPED and "skipped unreadable image" in capsys.readouterr().err
+
+
+def test_images_are_decoded_once_only_where_they_fit_the_memory_budget(tmp_path, monkeypatch):
+    paths = varied_images(tmp_path)[1:5]
+    data = MyDataSet(paths, [0] * len(paths), val_transform(32))
+    needed = sum(np.asarray(load_rgb(path, data.min_side)).size for path in paths)  # bytes, decoded
+    assert decode_once([data], gigabytes=0) == "Images: decoded from their files every epoch (--image-cache-gb 0)"
+    line = decode_once([data], gigabytes=(needed - 1) / 1e9)
+    assert data.decoded is None and "they would take 0.0 GB, more than the 0.0 GB of --image-cache-gb" in line
+    # By default a quarter of the machine's memory, shared among the training processes on it
+    monkeypatch.setattr(my_dataset, "physical_memory", lambda: 4 * needed)
+    assert "decoded from their files" in decode_once([data], None, processes_here=2) and data.decoded is None
+    assert "4 decoded once" in decode_once([data], None, processes_here=1) and data.decoded is not None
+    monkeypatch.setattr(my_dataset, "physical_memory", lambda: None)
+    assert "does not say its memory" in decode_once([MyDataSet(paths, [0] * 4, val_transform(32))], None)
+
+
+def test_an_image_that_decodes_to_another_size_than_its_header_says_is_read_from_its_file(tmp_path, monkeypatch):
+    paths = varied_images(tmp_path)[:5]
+    monkeypatch.setattr(my_dataset, "decoded_size", lambda path, min_side: (7, 9))  # a header that misleads
+    data = MyDataSet(paths, [0] * len(paths), val_transform(32))
+    decode_once([data], gigabytes=1)
+    assert data.decoded.offsets.tolist() == [-1] * 5
+    assert all(torch.equal(data[i][0], MyDataSet(paths, [0] * 5, val_transform(32))[i][0]) for i in range(5))
+
+
+def shared_or_fail(worker: int) -> None:
+    pixels = get_worker_info().dataset.dataset.decoded.pixels
+    if not pixels.is_shared():
+        raise AssertionError(f"loader worker {worker} holds a copy of the decoded images")
+
+
+def test_loader_workers_started_by_spawn_share_the_decoded_images(tmp_path):
+    """As on Windows and macOS: a worker started by spawn gets the decoded images through shared memory, not as a
+    copy, and loads the same batches as the process itself does."""
+    paths = varied_images(tmp_path)[:5]
+    train_set = SeededSamples(MyDataSet(paths, list(range(5)), train_transform(32)))
+    decode_once([train_set.dataset], gigabytes=1)
+    batches = [[(index, index + 10) for index in range(5)]]
+    here = list(DataLoader(train_set, batch_sampler=batches))
+    spawned = DataLoader(
+        train_set, batch_sampler=batches, num_workers=1, multiprocessing_context="spawn", worker_init_fn=shared_or_fail
+    )
+    [(images, labels)] = list(spawned)
+    assert torch.equal(images, here[0][0]) and torch.equal(labels, here[0][1])

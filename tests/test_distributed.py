@@ -9,7 +9,7 @@ from wiring import loaders
 from model import create_model
 from multi_train_utils.sync_batchnorm import CPUSyncBatchNorm
 from multi_train_utils.train_eval_utils import evaluate
-from my_dataset import MyDataSet, read_split_data, val_transform
+from my_dataset import MyDataSet, normalise, read_split_data, val_transform
 
 VAL_RATE = 7 / 12  # tiny_data has 12 images per class: 7 of each validate, 35 in all, which neither 2 nor 3 divides
 
@@ -19,7 +19,9 @@ def model_with_varied_predictions(split):
     rank), so its predictions differ from image to image instead of all naming one class."""
     torch.manual_seed(0)
     model = create_model(len(split.classes))
-    images = torch.stack([image for image, _ in MyDataSet(split.val_images, split.val_labels, val_transform(32))])
+    images = normalise(
+        torch.stack([image for image, _ in MyDataSet(split.val_images, split.val_labels, val_transform(32))])
+    )
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.momentum = None  # a plain average over the calibration batch

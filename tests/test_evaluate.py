@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import evaluate
 from model import create_model
 from multi_train_utils.train_eval_utils import evaluate as evaluate_loop
-from my_dataset import SKIPPED, MyDataSet, list_images, read_split_data, val_transform, write_class_indices
+from my_dataset import SKIPPED, MyDataSet, list_images, normalise, read_split_data, val_transform, write_class_indices
 from plumbing.demo_data import make_demo_data
 from utils import UserError
 
@@ -212,7 +212,7 @@ def test_with_six_classes_eval_json_has_the_top5_accuracy_of_the_networks_logits
     model.load_state_dict(torch.load(weights, weights_only=True))
     loader = DataLoader(MyDataSet(split.val_images, split.val_labels, val_transform(32)), batch_size=4)
     with torch.no_grad():
-        logits, labels = zip(*((model.eval()(images), labels) for images, labels in loader), strict=True)
+        logits, labels = zip(*((model.eval()(normalise(images)), labels) for images, labels in loader), strict=True)
     logits, labels = torch.cat(logits), torch.cat(labels)
     in_top5 = int((logits.topk(5, dim=1).indices == labels[:, None]).any(dim=1).sum())
     assert report["total"] == len(labels) == 12 and report["correct"] == int((logits.argmax(dim=1) == labels).sum())

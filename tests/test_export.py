@@ -17,7 +17,7 @@ from torchvision.models import resnet34
 
 import export
 from model import create_model
-from my_dataset import MyDataSet, read_split_data, val_transform, write_class_indices
+from my_dataset import MyDataSet, normalise, read_split_data, val_transform, write_class_indices
 from utils import UserError
 
 CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]  # tiny_data's
@@ -58,6 +58,7 @@ def pytorch_logits(run, images) -> tuple[torch.Tensor, torch.Tensor]:
     model = resnet34(num_classes=len(CLASSES))
     model.load_state_dict(torch.load(run / "weights" / "best.pth", weights_only=True))
     batch, _ = next(iter(DataLoader(MyDataSet(images, [0] * len(images), val_transform(32)), batch_size=len(images))))
+    batch = normalise(batch)  # as Compute.batch_to does on the device
     with torch.no_grad():
         return model.eval()(batch), batch
 

@@ -60,13 +60,31 @@ def copy_of(data, tmp_path):
     return copy, read_split_data(copy, seed=3)
 
 
+# The images read from their files every epoch, as where they do not fit in memory: a file that vanishes after
+# the images were decoded once changes nothing
+FROM_FILES = ("--image-cache-gb", "0")
+
+
 def test_under_torchrun_vanished_images_are_skipped_on_every_rank_and_a_full_disk_stops_them_all(tiny_data, tmp_path):
     data, split = copy_of(tiny_data, tmp_path)
     gone = [split.train_images[0], split.val_images[0]]
     # Two images deleted after one step of epoch 1; from epoch 2 on, the disk is full.
     env = {**fault_env("delete:1:1,fsize:2:1000000"), "FAULT_FILES": ":".join(gone)}
     out = tmp_path / "run"
-    flags = ("--data-path", data, "--output-dir", out, "--epochs", "4", "--device", "cpu", "--seed", "3", *FAST)
+    flags = (
+        "--data-path",
+        data,
+        "--output-dir",
+        out,
+        "--epochs",
+        "4",
+        "--device",
+        "cpu",
+        "--seed",
+        "3",
+        *FAST,
+        *FROM_FILES,
+    )
     started = time.monotonic()
     result = run_script("train_multi_gpu_using_launch.py", *flags, launcher=torchrun(2), env=env, timeout=180)
     assert result.returncode != 0
@@ -94,7 +112,7 @@ def test_more_unreadable_images_than_one_percent_stop_the_run_in_one_line(tiny_d
     data, split = copy_of(tiny_data, tmp_path)
     env = {**fault_env("delete:1:0"), "FAULT_FILES": ":".join(split.train_images[:20])}  # between epochs 0 and 1
     out = tmp_path / "run"
-    flags = ("--data-path", data, "--output-dir", out, "--epochs", "3", "--seed", "3", *FAST)
+    flags = ("--data-path", data, "--output-dir", out, "--epochs", "3", "--seed", "3", *FAST, *FROM_FILES)
     result = run_script("train_single_gpu.py", *flags, env=env)
     assert result.returncode == 2, result.stderr
     (line,) = error_lines(result.stderr)

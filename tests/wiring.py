@@ -17,7 +17,7 @@ from plumbing.config import Config
 def loaders(split, img_size: int, batch_size: int, seed: int, world_size=1, rank=0, workers=0, **augment):
     """(training loader, validation loader) of process `rank` of `world_size`, with `workers` loader workers and
     the augmentation flags `augment` (auto_augment, random_erase)."""
-    train_set, val_set = datasets(split, Config(img_size=img_size, **augment))
+    train_set, val_set, _ = datasets(split, Config(img_size=img_size, **augment))
     loading = {"num_workers": workers, "persistent_workers": workers > 0}
     batches = shuffled_batches(train_set, batch_size, seed, rank, world_size)
     val_sampler = val_shard(val_set, rank, world_size)

@@ -193,7 +193,9 @@ def _in_memory(queue, mode, img_size, batch_size, amp, channels_last, device, st
     optimizer, _ = build_optimizer(model, parse_config(SINGLE, "", []), batches_per_epoch=1)
     scaler = compute.grad_scaler(device)
     generator = torch.Generator().manual_seed(0)
-    batch = (torch.randn(batch_size, 3, img_size, img_size, generator=generator), torch.randint(0, 5, (batch_size,)))
+    # 8-bit images, as the loader gives them: batch_to normalises them on the device
+    images = torch.randint(0, 256, (batch_size, 3, img_size, img_size), generator=generator, dtype=torch.uint8)
+    batch = (images, torch.randint(0, 5, (batch_size,)))
     if mode == "loop":
         run = functools.partial(loop_steps, model, optimizer, scaler, compute, device, batch)
     else:
@@ -237,7 +239,7 @@ def _loader(queue, split, img_size, batch_size, workers, images, start_method, p
     `images` images, in whole rounds of `workers` batches (the workers deliver batches in turn, each its own),
     over as many epochs as that takes."""
     multiprocessing.set_start_method(start_method, force=True)
-    train_set, _ = datasets(split, Config(img_size=img_size))  # the scripts' wiring, at their default settings
+    train_set, _, decoded = datasets(split, Config(img_size=img_size))  # the scripts' wiring, at their defaults
     batches = shuffled_batches(train_set, batch_size, seed=0)
     loader = DataLoader(
         train_set, batch_sampler=batches, num_workers=workers, persistent_workers=workers > 0, pin_memory=pin_memory
@@ -249,7 +251,9 @@ def _loader(queue, split, img_size, batch_size, workers, images, start_method, p
     start = time.perf_counter()
     loaded = sum(len(next(batches)[1]) for _ in range(rounds * workers))
     seconds = time.perf_counter() - start
-    queue.put({"img_per_sec": loaded / seconds, "workers": workers, **peak_memory(torch.device("cpu"))})
+    queue.put(
+        {"img_per_sec": loaded / seconds, "workers": workers, "decoded": decoded, **peak_memory(torch.device("cpu"))}
+    )
 
 
 def batches_over_epochs(loader):
