@@ -13,11 +13,12 @@ their kind (benchmark.json's "kind"; --rows picks kinds, default all):
                  synchronisation inside the loop: the ceiling for this precision and layout. "model only,
                  loss.item() each step": the same, the CPU waiting for each step's loss before it queues the
                  next. "model only, float32 NCHW": the ceiling's loop in float32 and NCHW
-  loop           "train_one_epoch, tensors in memory": the training loop itself, fed one batch from host memory
-                 at every step
-  loader         the training loader as the scripts build it, iterated without a model: with 1 worker, and with
-                 the workers the scripts use on this device (at least 1); images per second after the first
-                 batches, at least --loader-images of them
+  loop           "train_one_epoch, tensors in memory": the training loop itself, fed one batch of 8-bit images
+                 from host memory at every step (normalised on the device, as the loaders' batches are)
+  loader         the training loader as the scripts build it (its images decoded once into memory where they fit,
+                 as the scripts decide; the row's "decoded" says how), iterated without a model: with 1 worker,
+                 and with the workers the scripts use on this device (at least 1); images per second after the
+                 first batches, at least --loader-images of them
   baseline       train_single_gpu.py as the original scripts ran: float32, NCHW, loader workers restarted each epoch
   fixed          train_single_gpu.py in each fixed precision and layout (--fixed: float32 NCHW, the original's;
                  float32 channels_last; bfloat16 in both where the device has its instructions), with the loader
