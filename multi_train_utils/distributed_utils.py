@@ -278,11 +278,6 @@ def broadcast_object(obj):
     return holder[0]
 
 
-def barrier() -> None:
-    if is_dist_avail_and_initialized():
-        dist.barrier()
-
-
 def on_main_process(function, *args) -> None:
     """Call function(*args) on rank 0 alone, while the other ranks wait for it to finish. A UserError it raises
     (a full disk while saving, say) is raised on every rank at once, so that all stop together instead of
