@@ -127,27 +127,27 @@ def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
 
 
 def plot_benchmark(benchmark: dict, path=None) -> Figure:
-    """Images per second, one horizontal bar per row of a benchmark (the schema benchmark.py writes): trained, or
-    for the loader rows loaded.
+    """Images per second, one horizontal bar per row of a benchmark (the schema benchmark.py writes): the rows
+    that train at the benchmark's image size in the top panel; below, on an axis of their own, the loader rows
+    (images loaded, tens of times more) and the demo's (trained at its own small size), which would otherwise
+    dwarf them.
 
     The title says where and how it was measured (machine, date, torch, image size, batch, precision). Rows keep
     their order, top to bottom; a row whose img_per_sec is null is shown as "not measured". Writes the PNG to
     `path` when given; returns the Figure either way.
     """
     rows, settings = benchmark["rows"], benchmark.get("settings", {})
-    values = [row["img_per_sec"] for row in rows]
     colours = {kind: f"C{i}" for i, kind in enumerate(dict.fromkeys(row.get("kind") for row in rows))}
+    apart = [row for row in rows if row.get("kind") in ("loader", "demo")]
+    panels = [(row_list, label) for row_list, label in (
+        ([row for row in rows if row not in apart], "images per second trained (higher is better)"),
+        (apart, "images per second: loaded (loader rows), or trained at the demo's size"),
+    ) if row_list]  # fmt: skip
 
-    fig = Figure(figsize=(10, 1.8 + 0.55 * len(rows)), dpi=120, layout="constrained")
-    ax = fig.subplots()
-    positions = range(len(rows))  # not the names as categories: two rows of the same name stay two bars
-    bars = ax.barh(positions, [value or 0 for value in values], color=[colours[row.get("kind")] for row in rows])
-    ax.bar_label(bars, [f"{value:.1f}" if value is not None else "not measured" for value in values], padding=4)
-    ax.set_yticks(positions, labels=[textwrap.fill(row["name"], 40) for row in rows])
-    ax.invert_yaxis()  # the first row on top
-    ax.set_xlim(0, max(value or 0 for value in values) * 1.15 or 1)
-    ax.set_xlabel("images per second: trained, or for loader rows loaded (higher is better)")
-    ax.grid(axis="x", alpha=0.3)
+    fig = Figure(figsize=(10, 1.8 + 0.55 * len(rows) + 0.6 * (len(panels) - 1)), dpi=120, layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False, height_ratios=[len(panel) for panel, _ in panels])[:, 0]
+    for ax, (panel, label) in zip(axes, panels, strict=True):
+        throughput_bars(ax, panel, colours, label)
     where = [str(benchmark[key]) for key in ("machine", "date") if benchmark.get(key)]
     how = [
         f"{settings['img_size']} px" if "img_size" in settings else None,
@@ -161,10 +161,23 @@ def plot_benchmark(benchmark: dict, path=None) -> Figure:
     ]
     lines = [", ".join(["Training throughput", *where]), ", ".join(filter(None, how))]
     # wrapped: the title is centred over the plot, which the row names leave narrower than the figure
-    ax.set_title("\n".join(textwrap.fill(line, 80) for line in lines), fontsize=10)
+    axes[0].set_title("\n".join(textwrap.fill(line, 80) for line in lines), fontsize=10)
     if path is not None:
         save_png(fig, path)
     return fig
+
+
+def throughput_bars(ax, rows: list[dict], colours: dict, label: str) -> None:
+    """One bar per row, labelled with its images per second, the first row on top."""
+    values = [row["img_per_sec"] for row in rows]
+    positions = range(len(rows))  # not the names as categories: two rows of the same name stay two bars
+    bars = ax.barh(positions, [value or 0 for value in values], color=[colours[row.get("kind")] for row in rows])
+    ax.bar_label(bars, [f"{value:.1f}" if value is not None else "not measured" for value in values], padding=4)
+    ax.set_yticks(positions, labels=[textwrap.fill(row["name"], 40) for row in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(value or 0 for value in values) * 1.15 or 1)
+    ax.set_xlabel(label)
+    ax.grid(axis="x", alpha=0.3)
 
 
 def plot_predictions(images, true_labels: list[int], predicted: list[int], classes: list[str]) -> Figure:

@@ -109,6 +109,19 @@ def test_the_benchmark_chart_labels_each_bar_and_says_where_it_was_measured(tmp_
 
 
 @pytest.mark.fast
+def test_the_loader_and_demo_rows_have_a_panel_of_their_own_below_the_training_rows(tmp_path):
+    apart = [
+        {"name": "loader, 1 worker", "kind": "loader", "processes": 1, "img_per_sec": 861.1},
+        {"name": "demo", "kind": "demo", "processes": 1, "img_per_sec": 156.7},
+    ]
+    fig = plot_benchmark({**BENCHMARK, "rows": [*BENCHMARK["rows"][:2], *apart, BENCHMARK["rows"][2]]})
+    top, below = fig.axes
+    assert [bar.get_width() for bar in top.patches] == [29.4, 9.8, 17.3]  # the training rows, in their order
+    assert [bar.get_width() for bar in below.patches] == [861.1, 156.7]
+    assert top.get_xlim()[1] < 40 and "Intel Xeon" in top.get_title()
+
+
+@pytest.mark.fast
 def test_each_preview_image_is_labelled_with_its_prediction_green_when_right_red_with_the_truth_when_wrong():
     images = [np.full((32, 32, 3), shade) for shade in np.linspace(0, 1, 6)]
     fig = plot_predictions(images, [0, 1, 2, 0, 1, 2], [0, 1, 1, 0, 2, 2], ["daisy", "roses", "tulips"])
