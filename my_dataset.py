@@ -414,15 +414,22 @@ def decode_once(sets: list[MyDataSet], gigabytes: float | None, processes_here: 
         return "Images: decoded from their files every epoch (--image-cache-gb 0)"
     start, threads = time.perf_counter(), cores_per_process(processes_here)
     with ThreadPoolExecutor(threads) as pool:
-        sizes = [list(pool.map(decoded_size, data.images_path, itertools.repeat(data.min_side))) for data in sets]
-        needed = sum(3 * height * width for shapes in sizes for height, width in filter(None, shapes))
+        # Each set's (height, width) per image; (0, 0) for a file PIL cannot open, which is not decoded
+        shapes = [
+            torch.tensor(
+                [size or (0, 0) for size in pool.map(decoded_size, data.images_path, itertools.repeat(data.min_side))],
+                dtype=torch.int64,
+            ).reshape(-1, 2)
+            for data in sets
+        ]
+        needed = sum(3 * int(table.prod(dim=1).sum()) for table in shapes)
         if needed > budget:
             return (
                 f"Images: decoded from their files every epoch: decoded, they would take {needed / 1e9:.1f} GB, "
                 f"more than the {budget / 1e9:.1f} GB of --image-cache-gb"
             )
-        for data, shapes in zip(sets, sizes, strict=True):
-            data.decoded = decoded_images(data, shapes, pool)
+        for data, table in zip(sets, shapes, strict=True):
+            data.decoded = decoded_images(data, table, pool)
     images = sum(int((data.decoded.offsets >= 0).sum()) for data in sets)
     return (
         f"Images: {images} decoded once into memory ({needed / 1e9:.2f} GB, {time.perf_counter() - start:.1f} s, "
@@ -430,14 +437,14 @@ def decode_once(sets: list[MyDataSet], gigabytes: float | None, processes_here: 
     )
 
 
-def decoded_images(data: MyDataSet, shapes: list, pool: ThreadPoolExecutor) -> DecodedImages:
-    """`data`'s images decoded by `pool`'s threads into one tensor, image i where `shapes[i]` (decoded_size)
-    says it fits; one whose file cannot be decoded, or decodes to another size than its header said, is left
-    to be read from its file (offset -1)."""
-    sizes = [3 * shape[0] * shape[1] if shape else 0 for shape in shapes]
-    ends = list(itertools.accumulate(sizes))
-    pixels = torch.empty(ends[-1] if ends else 0, dtype=torch.uint8)
-    offsets = torch.tensor([end - size for end, size in zip(ends, sizes, strict=True)], dtype=torch.int64)
+def decoded_images(data: MyDataSet, shapes: torch.Tensor, pool: ThreadPoolExecutor) -> DecodedImages:
+    """`data`'s images decoded by `pool`'s threads into one tensor, image i where `shapes[i]` (its height and
+    width, from decoded_size) says it fits; one whose file cannot be decoded, or decodes to another size than its
+    header said, is left to be read from its file (offset -1)."""
+    sizes = 3 * shapes.prod(dim=1)
+    ends = sizes.cumsum(dim=0)
+    offsets = ends - sizes
+    pixels = torch.empty(int(ends[-1]) if len(ends) else 0, dtype=torch.uint8)
 
     def decode(index: int) -> bool:
         if not sizes[index]:
@@ -446,15 +453,14 @@ def decoded_images(data: MyDataSet, shapes: list, pool: ThreadPoolExecutor) -> D
             image = np.asarray(load_rgb(data.images_path[index], data.min_side))
         except Exception:  # PIL raises many types for a file that is gone or no longer an image
             return False
-        if image.shape != (*shapes[index], 3):
+        if image.shape != (*shapes[index].tolist(), 3):
             return False
         pixels[offsets[index] : ends[index]].numpy()[:] = image.reshape(-1)
         return True
 
-    decoded = torch.tensor(list(pool.map(decode, range(len(sizes)))), dtype=torch.bool)
+    decoded = torch.tensor(list(pool.map(decode, range(len(shapes)))), dtype=torch.bool)
     offsets[~decoded] = -1
-    shape_table = torch.tensor([shape or (0, 0) for shape in shapes], dtype=torch.int64).reshape(-1, 2)
-    return DecodedImages(pixels, offsets, shape_table)
+    return DecodedImages(pixels, offsets, shapes)
 
 
 def datasets(split: DataSplit, config, processes_here: int = 1) -> tuple["SeededSamples", MyDataSet, str]:
