@@ -1,6 +1,9 @@
 """MyDataSet: every image mode becomes a 3-channel 8-bit tensor; augmentation follows the per-sample seed; images
 decoded once into memory give exactly what their files give."""
 
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,7 @@ from my_dataset import (
     SeededBatchSampler,
     SeededSamples,
     decode_once,
+    in_chunks,
     load_rgb,
     normalise,
     sample_seed,
@@ -130,8 +134,9 @@ def varied_images(folder) -> list:
 
 
 @pytest.mark.parametrize("transform", ["train", "val"])
-def test_images_decoded_once_give_exactly_the_items_their_files_give(tmp_path, transform, capsys):
+def test_images_decoded_once_give_exactly_the_items_their_files_give(tmp_path, transform, capsys, monkeypatch):
     paths = varied_images(tmp_path)
+    monkeypatch.setattr(my_dataset, "in_chunks", partial(in_chunks, chunk=2))  # the threads' tasks: 3 chunks
     preset = (
         train_transform(48, auto_augment="trivialaugment", random_erase=0.5)
         if transform == "train"
@@ -149,6 +154,12 @@ def test_images_decoded_once_give_exactly_the_items_their_files_give(tmp_path, t
             assert expected.dtype == got.dtype == torch.uint8
             assert torch.equal(expected, got) and label == expected_label
     assert label == SKIPPED and "skipped unreadable image" in capsys.readouterr().err
+
+
+def test_the_decoding_threads_take_the_images_in_chunks_and_give_the_results_in_order():
+    with ThreadPoolExecutor(2) as pool:
+        assert in_chunks(pool, lambda i: i * i, range(7), chunk=2) == [i * i for i in range(7)]
+        assert in_chunks(pool, lambda i: i, []) == []
 
 
 def test_images_are_decoded_once_only_where_they_fit_the_memory_budget(tmp_path, monkeypatch):

@@ -144,6 +144,7 @@ def test_the_startup_benchmark_parts_at_a_hundred_images(tmp_path):
     assert small_images(data, 100) == data and not (tmp_path / "images.partial").exists()  # made once
     parts = startup_parts(data)  # asserts itself that the warm check decoded nothing
     assert parts["checked_images_mb"] > 0 and parts["split_pickled_mb"] > 0  # (timings too short to compare)
+    assert parts["decoded_gb"] == 100 * 32 * 32 * 3 / 1e9  # every image decoded once into memory, at full size
     row = {"images": 100, "first_step_cold_s": 9.0, "first_step_warm_s": 8.0, **parts}
     assert startup_table([row]).splitlines()[2].startswith("| 100 | 9.0 | 8.0 |")
 

@@ -8,11 +8,13 @@ TMPDIR/benchmark_startup/ and kept for the next time), and:
                         appears), in a new run folder: every image is decoded. The run is then killed (SIGKILL on
                         Linux and macOS, as a preemption without warning).
   to first step, warm   the same command with --auto-resume in the same folder: the restart of that run, which
-                        finds the images' verdicts in its folder (checked_images.json) and decodes none.
+                        finds the images' verdicts in its folder (checked_images.json) and checks none; it
+                        still decodes them into memory, as every start does.
   and the parts of start-up that grow with the data, timed in this process: listing and splitting the folder
   (read_split_data without the check), the image check cold and warm (listing included), split_fingerprint (a
-  resume's check and args.json's record; once per rank), the size of checked_images.json, and of the split
-  pickled (what the spawn script sends each worker).
+  resume's check and args.json's record; once per rank), decoding the images once into memory (decode_once, with
+  its default budget; every start, on every rank) and the gigabytes they take there, the size of
+  checked_images.json, and of the split pickled (what the spawn script sends each worker).
 The operating system's file cache is warm in every case (the images were just written or read): on a network
 filesystem, listing and the cold check cost more.
 """
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from my_dataset import read_split_data, split_fingerprint
+from my_dataset import MyDataSet, decode_once, read_split_data, split_fingerprint, train_transform, val_transform
 from plumbing.image_check import CHECKED_IMAGES, ImageCheck
 from plumbing.machine import describe_cpu
 from utils import UserError, write_json
@@ -43,7 +45,8 @@ CLASSES = 10
 FIRST_STEP = b"[epoch 0] train"  # train_one_epoch's progress bar, shown as its loop asks for the first batch
 # Precision, layout and loader workers given, so that no run measures them (auto's measuring is a cost of the
 # machine, paid once and remembered, not of the data; and the benchmark leaves the user's record of it alone).
-FLAGS = ["--img-size", "32", "--batch-size", "8", "--epochs", "1", "--workers", "0", "--amp", "off"]
+IMG_SIZE = 32
+FLAGS = ["--img-size", str(IMG_SIZE), "--batch-size", "8", "--epochs", "1", "--workers", "0", "--amp", "off"]
 FLAGS += ["--no-channels-last"]
 
 
@@ -114,8 +117,16 @@ def startup_parts(data: Path) -> dict:
         warm, _ = timed(read_split_data, data, verify_images=warm_check)
         assert cold_check.decoded == len(split.train_images) + len(split.val_images) and warm_check.decoded == 0
         fingerprint, _ = timed(split_fingerprint, split, data)
+        sets = [
+            MyDataSet(split.train_images, split.train_labels, train_transform(IMG_SIZE)),
+            MyDataSet(split.val_images, split.val_labels, val_transform(IMG_SIZE)),
+        ]
+        decoding, line = timed(decode_once, sets, None)
+        if any(data.decoded is None for data in sets):
+            raise UserError(f"the start-up benchmark's images were not decoded into memory: {line}")
         return {
             "listing_s": listing, "check_cold_s": cold, "check_warm_s": warm, "split_fingerprint_s": fingerprint,
+            "decode_once_s": decoding, "decoded_gb": sum(data.decoded.pixels.numel() for data in sets) / 1e9,
             "checked_images_mb": (Path(run) / CHECKED_IMAGES).stat().st_size / 1e6,
             "split_pickled_mb": len(pickle.dumps(split)) / 1e6,
         }  # fmt: skip
@@ -155,13 +166,14 @@ def seconds_to_first_step(command: list[str], log: Path) -> float:
 def startup_table(rows: list[dict]) -> str:
     lines = [
         "| images | to first step, cold (s) | warm (s) | listing (s) | check, cold (s) | check, warm (s) "
-        "| split_fingerprint (s) | checked_images.json (MB) | split pickled (MB) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| split_fingerprint (s) | decode once (s) | decoded (GB) | checked_images.json (MB) | split pickled (MB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['images']:,} | {r['first_step_cold_s']:.1f} | {r['first_step_warm_s']:.1f} | {r['listing_s']:.2f} "
             f"| {r['check_cold_s']:.2f} | {r['check_warm_s']:.2f} | {r['split_fingerprint_s']:.2f} "
+            f"| {r['decode_once_s']:.2f} | {r['decoded_gb']:.2f} "
             f"| {r['checked_images_mb']:.1f} | {r['split_pickled_mb']:.1f} |"
         )
     return "\n".join(lines)
