@@ -11,6 +11,7 @@ from torch import nn
 from wiring import model_as_trained
 
 from multi_train_utils.train_eval_utils import Training, evaluate, train_one_epoch
+from my_dataset import normalise
 from plumbing.compute import AMP_DTYPES, Compute, amp_candidates, choose_compute, compute_candidates
 from plumbing.demo_data import make_demo_data
 
@@ -53,6 +54,14 @@ def test_channels_last_computes_what_nchw_computes():
         expected = nchw(images)
         got = nhwc(Compute(channels_last=True).batch_to(images, CPU))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.fast
+def test_an_8_bit_batch_arrives_normalised_in_the_layout_asked_for():
+    images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    got = Compute(channels_last=True).batch_to(images, CPU)
+    assert got.dtype == torch.float32 and got.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(got, normalise(images))
 
 
 @pytest.mark.fast
