@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
+from dataset.folders import read_split_data
 from multi_train_utils.distributed_utils import resolve_device
 from multi_train_utils.train_eval_utils import evaluate
-from my_dataset import read_split_data
 from plot_results import save_png
-from plumbing.inference import add_model_arguments, image_loader, load_trained_model
+from run.trained import add_model_arguments, image_loader, load_trained_model
 from utils import HelpFormatter, Parser, UserError, check_writable, describe, entry_point, number, write_json
 
 TOPK = 5  # top-5 accuracy, reported with more classes than this

@@ -29,9 +29,11 @@ from types import SimpleNamespace
 
 import torch
 
+from dataset.folders import list_images
+from dataset.images import image_problem
+from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD, RESIZE_RATIO, normalise
 from multi_train_utils.distributed_utils import resolve_device
-from my_dataset import IMAGENET_MEAN, IMAGENET_STD, RESIZE_RATIO, image_problem, list_images, normalise
-from plumbing.inference import add_run_overrides, image_loader, load_trained_model
+from run.trained import add_run_overrides, image_loader, load_trained_model
 from utils import HelpFormatter, Parser, UserError, check_writable, entry_point, write_atomically
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}  # the default output's suffix

@@ -23,7 +23,6 @@ from filelock import FileLock
 from torch import nn
 from torchvision.models import get_model, get_model_weights, list_models
 
-from multi_train_utils.distributed_utils import print_once
 from utils import UserError, safe_load
 
 # Prefixes that wrappers add to parameter names: DataParallel/DDP ("module.") and torch.compile ("_orig_mod.").
@@ -94,7 +93,7 @@ def imagenet_weights_file(url: str) -> Path:
     name; it writes to a temporary file beside the real one and renames it when complete (deleting it on
     failure), so a failed or interrupted download never leaves a file under the real name.
 
-    Call it before training starts (the scripts do, in flags.prepare), so that a missing network is one
+    Call it before training starts (the scripts do, in run/plan.py's prepare), so that a missing network is one
     error line at start-up. Processes that ask at the same time (every torchrun rank runs prepare) take turns
     on a lock file beside the cache file: one downloads, the others then find the file.
 
@@ -231,12 +230,12 @@ def initial_model(
     freeze: bool = False,
 ) -> nn.Module:
     """torchvision's `name` as a run starts it: seeded (the same initial weights in every process), then `weights`
-    loaded into it (saying what was loaded and skipped), all but its head frozen when `freeze`, on `device` in
-    `memory_format`."""
+    loaded into it (run/plan.py's prepare checked the file, and said what loads), all but its head frozen when
+    `freeze`, on `device` in `memory_format`."""
     torch.manual_seed(seed)
     model = create_model(num_classes, name)
     if weights is not None:
-        print_once(f"Weights from {weights}: {load_weights(model, weights, name=name).summary()}")
+        load_weights(model, weights, name=name)
     if freeze:
         freeze_all_but_head(model, name)
     return model.to(device, memory_format=memory_format)

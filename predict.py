@@ -7,9 +7,11 @@ from pathlib import Path
 
 import torch
 
+from dataset.folders import IMAGE_EXTENSIONS, list_images
+from dataset.images import image_problem
 from multi_train_utils.distributed_utils import resolve_device
-from my_dataset import IMAGE_EXTENSIONS, SKIPPED, image_problem, list_images
-from plumbing.inference import add_model_arguments, image_loader, load_trained_model
+from my_dataset import SKIPPED
+from run.trained import add_model_arguments, image_loader, load_trained_model
 from utils import HelpFormatter, Parser, UserError, describe, entry_point, positive_int
 
 

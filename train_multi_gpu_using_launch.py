@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from model import initial_model
+from multi_train_utils.bookkeeping import unreadable_limits
 from multi_train_utils.distributed_utils import (
     cleanup,
     init_distributed_mode,
@@ -26,16 +27,17 @@ from multi_train_utils.distributed_utils import (
     shuffled_batches,
     val_shard,
 )
+from multi_train_utils.stop_and_resume import ignore_stop_signals, resume_from, saving_a_step_on_stop
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import Training, train_one_epoch, unreadable_limits, validate
+from multi_train_utils.train_eval_utils import Training, train_one_epoch, validate
 from my_dataset import datasets
-from plumbing.autotune import tune
-from plumbing.checkpoint import resume_from
-from plumbing.config import parse_config
-from plumbing.plan import prepare
-from plumbing.preemption import ignore_stop_signals
-from plumbing.recipe import build_objective, build_optimizer, model_ema
-from plumbing.run_log import RunLog, announce, best_so_far, epoch_metrics
+from recipe.config import parse_config
+from recipe.loss import build_objective
+from recipe.optimizer import build_optimizer, model_ema
+from run.autotune import tune
+from run.metrics import best_so_far, epoch_metrics
+from run.plan import prepare
+from run.run_log import RunLog, announce
 from utils import entry_point
 
 
@@ -62,7 +64,7 @@ def train(config, plan, process) -> dict:
     train_set, val_set, decoded = datasets(plan.split, config, process.local_world_size)
     # DDP: the processes on this machine share its cores; what the flags leave to auto, rank 0 measures for all
     workers, compute = tune(config, plan, device, process.local_world_size, train_set)
-    announce(config.script, process, plan.split, workers, decoded)
+    announce(config, plan, process, workers, decoded)
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
     loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
     loading["worker_init_fn"] = ignore_stop_signals  # a stop signal is for this process to act on, at a step
@@ -70,7 +72,7 @@ def train(config, plan, process) -> dict:
     # The data. DDP: each process trains on its own shard of every epoch's shuffle (a DistributedSampler)...
     batches = shuffled_batches(train_set, config.batch_size, config.seed, process.rank, process.world_size)
     train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
-    # ... and validates images rank, rank + world size, ...: every image once over the processes, none padded
+    # DDP: ... and validates images rank, rank + world size, ...: every image once over the processes, none padded
     val_sampler = val_shard(val_set, process.rank, process.world_size)
     val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
 
@@ -94,12 +96,12 @@ def train(config, plan, process) -> dict:
     start_epoch, best_acc = resume_from(plan.resume, model, training, config.epochs)
 
     # DDP: rank 0 alone writes the run's files; the others keep theirs closed
-    log = RunLog(config, plan, process, compute, val_set, start_epoch, enabled=is_main_process())
+    log = RunLog(config, plan, process, compute, val_set, start_epoch, best_acc, enabled=is_main_process())
     expected = (len(train_loader) * config.batch_size * process.world_size, len(val_set))  # an epoch's images
     limits = unreadable_limits(*expected, config.strict_images)
     metrics = {}
     # A stop signal (SIGTERM, SIGUSR1: preemption, a time limit) ends the run at a step, saved for --auto-resume
-    with log.saving_a_step_on_stop(model, training, best_acc):
+    with saving_a_step_on_stop(log, model, training):
         for epoch in range(start_epoch, config.epochs):
             batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch; DDP: every shard moves with it
             lr, start = training.epoch_lr(), time.perf_counter()

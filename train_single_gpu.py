@@ -14,16 +14,18 @@ import torch
 from torch.utils.data import DataLoader
 
 from model import data_parallel_over_gpus, initial_model
+from multi_train_utils.bookkeeping import unreadable_limits
 from multi_train_utils.distributed_utils import shuffled_batches, single_process
-from multi_train_utils.train_eval_utils import Training, train_one_epoch, unreadable_limits, validate
+from multi_train_utils.stop_and_resume import ignore_stop_signals, resume_from, saving_a_step_on_stop
+from multi_train_utils.train_eval_utils import Training, train_one_epoch, validate
 from my_dataset import datasets
-from plumbing.autotune import tune
-from plumbing.checkpoint import resume_from
-from plumbing.config import parse_config
-from plumbing.plan import prepare
-from plumbing.preemption import ignore_stop_signals
-from plumbing.recipe import build_objective, build_optimizer, model_ema
-from plumbing.run_log import RunLog, announce, best_so_far, epoch_metrics
+from recipe.config import parse_config
+from recipe.loss import build_objective
+from recipe.optimizer import build_optimizer, model_ema
+from run.autotune import tune
+from run.metrics import best_so_far, epoch_metrics
+from run.plan import prepare
+from run.run_log import RunLog, announce
 from utils import entry_point
 
 
@@ -41,9 +43,9 @@ def train(config, plan, process) -> dict:
     # The images, decoded once into memory where they fit (--image-cache-gb): every epoch then only crops and flips
     train_set, val_set, decoded = datasets(plan.split, config, 1)
     # This process has the machine's cores; the loader workers, precision and layout the flags leave to auto are
-    # measured on them (or remembered from an earlier run): plumbing/autotune.py
+    # measured on them (or remembered from an earlier run): run/autotune.py
     workers, compute = tune(config, plan, device, 1, train_set)
-    announce(config.script, process, plan.split, workers, decoded)
+    announce(config, plan, process, workers, decoded)
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
     loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
     loading["worker_init_fn"] = ignore_stop_signals  # a stop signal is for this process to act on, at a step
@@ -69,12 +71,12 @@ def train(config, plan, process) -> dict:
     )  # fmt: skip
     start_epoch, best_acc = resume_from(plan.resume, model, training, config.epochs)
 
-    log = RunLog(config, plan, process, compute, val_set, start_epoch)
+    log = RunLog(config, plan, process, compute, val_set, start_epoch, best_acc)
     expected = (len(train_loader) * config.batch_size * process.world_size, len(val_set))  # an epoch's images
     limits = unreadable_limits(*expected, config.strict_images)
     metrics = {}
     # A stop signal (SIGTERM, SIGUSR1: preemption, a time limit) ends the run at a step, saved for --auto-resume
-    with log.saving_a_step_on_stop(model, training, best_acc):
+    with saving_a_step_on_stop(log, model, training):
         for epoch in range(start_epoch, config.epochs):
             batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
             lr, start = training.epoch_lr(), time.perf_counter()

@@ -68,11 +68,6 @@ def number(kind, minimum, maximum=None, above_minimum=False):
 positive_int, positive_float = number(int, 1), number(float, 0, above_minimum=True)
 
 
-def switch(group, flag: str, default: bool | None, help: str) -> None:
-    """A real on/off flag: --name and --no-name (argparse's type=bool would take "False" as true)."""
-    group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
-
-
 def describe(paths: list[str], shown: int = 5) -> str:
     return ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from my_dataset import SeededBatchSampler
+from dataset.sampling import SeededBatchSampler
 from utils import UserError
 
 

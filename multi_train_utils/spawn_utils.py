@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import find_free_port, resolve_device
-from plumbing.preemption import STOP_SIGNALS
+from multi_train_utils.stop_and_resume import STOP_SIGNALS
 from utils import UserError
 
 
@@ -72,7 +72,7 @@ def run_workers(worker, args: tuple, nprocs: int) -> None:
 
     If one fails, the others are stopped and this process exits with its status; if this process is stopped
     (Ctrl-C, or a stop signal: SIGTERM, SIGUSR1), it stops them first: a stop signal is passed on, and the workers
-    save the step they stop at (plumbing/preemption.py) before they exit. No worker outlives it.
+    save the step they stop at (multi_train_utils/stop_and_resume.py) before they exit. No worker outlives it.
     """
     for signum in STOP_SIGNALS:
         signal.signal(signum, stop_workers)

@@ -25,11 +25,11 @@ from filelock import FileLock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from plumbing.autotune import CACHE_ENV  # noqa: E402
-from plumbing.demo_data import make_demo_data  # noqa: E402
-from plumbing.machine import available_cores, cpu_bfloat16  # noqa: E402
+from dataset.demo import make_demo_data  # noqa: E402
+from machine import available_cores, cpu_bfloat16  # noqa: E402
+from run.autotune import CACHE_ENV  # noqa: E402
 
-# What auto would measure (plumbing/autotune.py), pinned, so that no test run spends time measuring unless it
+# What auto would measure (run/autotune.py), pinned, so that no test run spends time measuring unless it
 # tests measuring: the precision and layout the suite has always trained in (bfloat16 where the CPU computes it
 # natively, NCHW at its 32 px), and no loader worker.
 PINNED_COMPUTE = ["--amp", "bf16" if cpu_bfloat16()[0] else "off", "--no-channels-last"]

@@ -1,4 +1,4 @@
-"""auto measures instead of guessing (plumbing/autotune.py): it chooses the fastest of what it timed, remembers the
+"""auto measures instead of guessing (run/autotune.py): it chooses the fastest of what it timed, remembers the
 choice for the machine, torch and configuration, measures anew when any of them differ or --remeasure says so,
 never measures what a flag gives, and under DDP measures once for every rank."""
 
@@ -13,11 +13,11 @@ import torch
 from conftest import final_weights, run_script
 from spawn_world import spawn_world
 
-from plumbing import autotune
-from plumbing.autotune import CACHE_ENV, Choice, cache_file, choose_workers, tune
-from plumbing.compute import Compute, short_name
-from plumbing.config import Config
-from plumbing.machine import available_cores
+from machine import available_cores
+from recipe.config import Config
+from recipe.precision import Compute, short_name
+from run import autotune
+from run.autotune import CACHE_ENV, Choice, cache_file, choose_workers, tune
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 FP32, FP32_CL = Compute(None, False), Compute(None, True)

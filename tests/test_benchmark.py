@@ -9,8 +9,8 @@ import pytest
 from conftest import run_script
 from PIL import Image
 
-from plumbing.autotune import CACHE_ENV
-from plumbing.compute import Compute
+from recipe.precision import Compute
+from run.autotune import CACHE_ENV
 from tools import benchmark
 from utils import UserError
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from plumbing.config import SINGLE, Config, parse_config
+from recipe.config import SINGLE, Config, parse_config
 from utils import UserError
 
 pytestmark = pytest.mark.fast

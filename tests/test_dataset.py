@@ -10,20 +10,12 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, get_worker_info
 
-import my_dataset
-from my_dataset import (
-    SKIPPED,
-    MyDataSet,
-    SeededBatchSampler,
-    SeededSamples,
-    decode_once,
-    in_chunks,
-    load_rgb,
-    normalise,
-    sample_seed,
-    train_transform,
-    val_transform,
-)
+import dataset.in_memory as decoding
+from dataset.images import load_rgb
+from dataset.in_memory import decode_once, in_chunks
+from dataset.sampling import SeededBatchSampler, SeededSamples, sample_seed
+from dataset.transforms import normalise, train_transform, val_transform
+from my_dataset import SKIPPED, MyDataSet
 
 pytestmark = pytest.mark.fast  # no script started, no training run
 
@@ -136,7 +128,7 @@ def varied_images(folder) -> list:
 @pytest.mark.parametrize("transform", ["train", "val"])
 def test_images_decoded_once_give_exactly_the_items_their_files_give(tmp_path, transform, capsys, monkeypatch):
     paths = varied_images(tmp_path)
-    monkeypatch.setattr(my_dataset, "in_chunks", partial(in_chunks, chunk=2))  # the threads' tasks: 3 chunks
+    monkeypatch.setattr(decoding, "in_chunks", partial(in_chunks, chunk=2))  # the threads' tasks: 3 chunks
     preset = (
         train_transform(48, auto_augment="trivialaugment", random_erase=0.5)
         if transform == "train"
@@ -170,16 +162,16 @@ def test_images_are_decoded_once_only_where_they_fit_the_memory_budget(tmp_path,
     line = decode_once([data], gigabytes=(needed - 1) / 1e9)
     assert data.decoded is None and "they would take 0.0 GB, more than the 0.0 GB of --image-cache-gb" in line
     # By default a quarter of the machine's memory, shared among the training processes on it
-    monkeypatch.setattr(my_dataset, "physical_memory", lambda: 4 * needed)
+    monkeypatch.setattr(decoding, "physical_memory", lambda: 4 * needed)
     assert "decoded from their files" in decode_once([data], None, processes_here=2) and data.decoded is None
     assert "4 decoded once" in decode_once([data], None, processes_here=1) and data.decoded is not None
-    monkeypatch.setattr(my_dataset, "physical_memory", lambda: None)
+    monkeypatch.setattr(decoding, "physical_memory", lambda: None)
     assert "does not say its memory" in decode_once([MyDataSet(paths, [0] * 4, val_transform(32))], None)
 
 
 def test_an_image_that_decodes_to_another_size_than_its_header_says_is_read_from_its_file(tmp_path, monkeypatch):
     paths = varied_images(tmp_path)[:5]
-    monkeypatch.setattr(my_dataset, "decoded_size", lambda path, min_side: (7, 9))  # a header that misleads
+    monkeypatch.setattr(decoding, "decoded_size", lambda path, min_side: (7, 9))  # a header that misleads
     data = MyDataSet(paths, [0] * len(paths), val_transform(32))
     decode_once([data], gigabytes=1)
     assert data.decoded.offsets.tolist() == [-1] * 5

@@ -23,14 +23,14 @@ from torchvision.models import resnet34
 from wiring import loaders, model_as_trained
 
 import model as model_module
+from dataset.folders import read_split_data
 from model import create_model
+from multi_train_utils.checkpoint import restore, training_state
 from multi_train_utils.distributed_utils import reduce_value
 from multi_train_utils.train_eval_utils import Training, train_one_epoch
-from my_dataset import read_split_data
-from plumbing.checkpoint import restore, training_state
-from plumbing.config import Config
-from plumbing.plan import per_process_recipe
-from plumbing.recipe import build_optimizer
+from recipe.config import Config
+from recipe.optimizer import build_optimizer
+from run.plan import per_process_recipe
 from utils import UserError
 
 B = 4  # images per rank per step
@@ -218,7 +218,7 @@ def test_accumulating_two_micro_batches_takes_the_step_of_one_batch_twice_as_lar
         assert abs(accumulated["loss"] - expected) <= TOLERANCE, path
 
 
-# Resuming on another number of processes (plumbing/plan.py per_process_recipe): each process takes its share of
+# Resuming on another number of processes (run/plan.py per_process_recipe): each process takes its share of
 # the same global batch at the scaled rate, so the resumed steps are the steps the run would have taken.
 def _resize_legs(rank, world_size, config: Config, legs: list[tuple]):
     """The SyncBN network trained in this process of `world_size` on its rows of the global batches, once per leg

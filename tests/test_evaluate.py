@@ -10,10 +10,12 @@ from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, TensorDataset
 
 import evaluate
+from dataset.demo import make_demo_data
+from dataset.folders import list_images, read_split_data, write_class_indices
+from dataset.transforms import normalise, val_transform
 from model import create_model
 from multi_train_utils.train_eval_utils import evaluate as evaluate_loop
-from my_dataset import SKIPPED, MyDataSet, list_images, normalise, read_split_data, val_transform, write_class_indices
-from plumbing.demo_data import make_demo_data
+from my_dataset import SKIPPED, MyDataSet
 from utils import UserError
 
 

@@ -16,8 +16,10 @@ from torch.utils.data import DataLoader
 from torchvision.models import resnet34
 
 import export
+from dataset.folders import read_split_data, write_class_indices
+from dataset.transforms import normalise, val_transform
 from model import create_model
-from my_dataset import MyDataSet, normalise, read_split_data, val_transform, write_class_indices
+from my_dataset import MyDataSet
 from utils import UserError
 
 CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]  # tiny_data's

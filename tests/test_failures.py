@@ -25,7 +25,7 @@ from conftest import (
     torchrun,
 )
 
-from plumbing.checkpoint import load_checkpoint
+from multi_train_utils.checkpoint import load_checkpoint
 
 
 def start(script, *args, launcher=(), env=None) -> subprocess.Popen:

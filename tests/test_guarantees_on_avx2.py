@@ -16,7 +16,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from plumbing.machine import AVX2_CAPS, torch_cpu_isa
+from machine import AVX2_CAPS, torch_cpu_isa
 
 
 @pytest.mark.skipif(torch_cpu_isa() != "AVX512", reason=f"torch computes with {torch_cpu_isa()} kernels here already")

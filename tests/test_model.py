@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 from torchvision.models import ResNet34_Weights, resnet18, resnet34, resnet50
 
+from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD, normalise, val_transform
 from model import (
     IMAGENET,
     create_model,
@@ -26,7 +27,6 @@ from model import (
     load_weights,
     weights_file,
 )
-from my_dataset import IMAGENET_MEAN, IMAGENET_STD, normalise, val_transform
 from utils import UserError
 
 pytestmark = pytest.mark.fast  # no script started, no training run

@@ -20,19 +20,20 @@ import torch.distributed as dist
 from conftest import PINNED_COMPUTE, ROOT, SMALL_MODEL, assert_user_error, run_script
 from torch import nn
 
+import machine
 import utils
+from multi_train_utils.checkpoint import load_checkpoint, restore, save_atomically, training_state
 from multi_train_utils.distributed_utils import MPS_IN_DDP, init_distributed_mode, resolve_device, single_process
 from multi_train_utils.train_eval_utils import Training
-from plumbing import machine
-from plumbing.checkpoint import load_checkpoint, restore, save_atomically, training_state
-from plumbing.compute import Compute, amp_candidates, compute_candidates
-from plumbing.run_log import peak_memory
+from recipe.precision import Compute
+from run.autotune import amp_candidates, compute_candidates
+from run.metrics import peak_memory
 from utils import UserError, write_atomically
 
 WINDOWS_LIKE = {"PYTHONPATH": f"{ROOT / 'tests' / 'windows_like'}{os.pathsep}{ROOT}"}
 # One epoch of tiny images, with one loader worker per loader: a worker process started by spawn.
 ONE_EPOCH = ["--img-size", "32", "--batch-size", "8", "--epochs", "1", "--device", "cpu", "--workers", "1"]
-ONE_EPOCH += [*SMALL_MODEL, *PINNED_COMPUTE]  # nothing left to measure (plumbing/autotune.py)
+ONE_EPOCH += [*SMALL_MODEL, *PINNED_COMPUTE]  # nothing left to measure (run/autotune.py)
 MPS, CPU = torch.device("mps"), torch.device("cpu")
 
 

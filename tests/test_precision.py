@@ -10,10 +10,11 @@ from conftest import ROOT, fault_env, run_script
 from torch import nn
 from wiring import model_as_trained
 
+from dataset.demo import make_demo_data
+from dataset.transforms import normalise
 from multi_train_utils.train_eval_utils import Training, evaluate, train_one_epoch
-from my_dataset import normalise
-from plumbing.compute import AMP_DTYPES, Compute, amp_candidates, choose_compute, compute_candidates
-from plumbing.demo_data import make_demo_data
+from recipe.precision import AMP_DTYPES, Compute, choose_compute
+from run.autotune import amp_candidates, compute_candidates
 
 CPU = torch.device("cpu")
 
@@ -147,9 +148,7 @@ def test_amp_auto_honours_the_caps_that_make_torch_compute_like_an_avx2_cpu(
 
 
 def test_under_the_avx2_caps_auto_considers_float32_alone_on_any_cpu():
-    code = (
-        "import torch; from plumbing.compute import amp_candidates; print(amp_candidates('auto', torch.device('cpu')))"
-    )
+    code = "import torch; from run.autotune import amp_candidates; print(amp_candidates('auto', torch.device('cpu')))"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -12,9 +12,11 @@ from torch.utils.data import DataLoader
 from torchvision.models import get_model
 
 import predict
+from dataset.folders import read_split_data
+from dataset.transforms import val_transform
 from model import create_model
-from my_dataset import MyDataSet, read_split_data, val_transform
-from plumbing.compute import choose_compute
+from my_dataset import MyDataSet
+from recipe.precision import choose_compute
 from utils import UserError
 
 

@@ -1,6 +1,6 @@
-"""Stopping at a step (plumbing/preemption.py): a stop signal (SIGTERM, SIGUSR1) ends a run at a training step
-every rank agrees on, saved with a second signal arriving while it is written, and the resumed run ends bitwise as
-the uninterrupted one: in one process, under torchrun and under the spawn script."""
+"""Stopping at a step (multi_train_utils/stop_and_resume.py): a stop signal (SIGTERM, SIGUSR1) ends a run at a
+training step every rank agrees on, saved with a second signal arriving while it is written, and the resumed run
+ends bitwise as the uninterrupted one: in one process, under torchrun and under the spawn script."""
 
 import signal
 
@@ -17,7 +17,7 @@ from conftest import (
     torchrun,
 )
 
-from plumbing.checkpoint import load_checkpoint
+from multi_train_utils.checkpoint import load_checkpoint
 
 SCRIPTS = {
     "one process": ("train_single_gpu.py", (), ()),

@@ -12,12 +12,14 @@ from torch.nn import functional as F
 from torchvision.models import get_model
 from wiring import loaders
 
+from dataset.folders import read_split_data
 from model import create_model, freeze_all_but_head, head_names, load_weights
 from multi_train_utils.sync_batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training, train_one_epoch
-from my_dataset import SKIPPED, read_split_data
-from plumbing.config import Config
-from plumbing.recipe import Objective, balanced_class_weights, build_optimizer, model_ema, schedule_factor
+from my_dataset import SKIPPED
+from recipe.config import Config
+from recipe.loss import Objective, balanced_class_weights
+from recipe.optimizer import build_optimizer, model_ema, schedule_factor
 
 pytestmark = pytest.mark.fast  # no script started, no training run
 

@@ -35,8 +35,8 @@ from torchvision.models import get_model
 
 import evaluate
 import predict
-from my_dataset import read_split_data
-from plumbing.config import parse_config
+from dataset.folders import read_split_data
+from recipe.config import parse_config
 
 MODELS = ["resnet18", "mobilenet_v3_small", "efficientnet_b0"]
 AUGMENT = (

@@ -12,11 +12,11 @@ import pytest
 from conftest import DDP_FLAGS, ROOT, STOPPED_FLAGS, assert_user_error, copy_run, run_script, torchrun
 from filelock import FileLock
 
-from my_dataset import DataSplit, split_fingerprint
-from plumbing.checkpoint import load_checkpoint
-from plumbing.demo_data import make_demo_data
-from plumbing.image_check import CHECK_LOCK, CHECKED_IMAGES
-from plumbing.plan import RUN_LOCK, check_same_split, held_run_folders, hold_run_folder
+from dataset.demo import make_demo_data
+from dataset.folders import DataSplit, split_fingerprint
+from dataset.image_check import CHECK_LOCK, CHECKED_IMAGES
+from multi_train_utils.checkpoint import load_checkpoint
+from run.plan import RUN_LOCK, check_same_split, held_run_folders, hold_run_folder
 from utils import UserError
 
 
@@ -78,7 +78,7 @@ def test_under_torchrun_rank_0_alone_holds_the_folder_and_its_refusal_ends_the_j
     with holding(out):
         refused = run_script("train_multi_gpu_using_launch.py", *flags, launcher=torchrun(2), timeout=120)
     assert refused.returncode != 0 and f"error: {out} is in use by another run" in refused.stderr
-    # Nothing but the start-up image check's record (verdicts merged into any there: plumbing/image_check.py),
+    # Nothing but the start-up image check's record (verdicts merged into any there: dataset/image_check.py),
     # which torchrun's ranks share before rank 0 holds the folder
     assert {path.name for path in out.iterdir()} <= {RUN_LOCK, CHECKED_IMAGES, CHECK_LOCK}
 
@@ -91,7 +91,7 @@ def test_under_torchrun_rank_0_alone_holds_the_folder_and_its_refusal_ends_the_j
 def test_the_lock_of_a_run_folder_ends_with_the_process_that_held_it(tmp_path):
     folder = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from plumbing.plan import hold_run_folder; "
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from run.plan import hold_run_folder; "
          "hold_run_folder(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)", str(folder)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from my_dataset import read_split_data
+from dataset.folders import read_split_data
 from utils import UserError
 
 pytestmark = pytest.mark.fast  # no script started, no training run

@@ -1,4 +1,4 @@
-"""Start-up: the image check (plumbing/image_check.py), once per run under torchrun and not repeated by a restart
+"""Start-up: the image check (dataset/image_check.py), once per run under torchrun and not repeated by a restart
 or resume for images that have not changed; and the start-up benchmark's parts (tools/startup_benchmark.py)."""
 
 import argparse
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import my_dataset
-from my_dataset import list_images, read_split_data
-from plumbing.config import SINGLE, parse_config
-from plumbing.image_check import CHECKED_IMAGES, ImageCheck
-from plumbing.plan import prepare
+from dataset import images
+from dataset.folders import list_images, read_split_data
+from dataset.image_check import CHECKED_IMAGES, ImageCheck
+from recipe.config import SINGLE, parse_config
+from run.plan import prepare
 from tools.startup_benchmark import image_counts, seconds_to_first_step, small_images, startup_parts, startup_table
 from utils import UserError
 
@@ -34,9 +34,9 @@ def make_images(root, classes=("a", "b", "c"), per_class=4):
 
 @pytest.fixture
 def decoded(monkeypatch):
-    """The images my_dataset.image_problem is asked about, in order (from any thread)."""
-    asked, real = [], my_dataset.image_problem
-    monkeypatch.setattr(my_dataset, "image_problem", lambda path: asked.append(path) or real(path))
+    """The images dataset.images.image_problem is asked about, in order (from any thread)."""
+    asked, real = [], images.image_problem
+    monkeypatch.setattr(images, "image_problem", lambda path: asked.append(path) or real(path))
     return asked
 
 
@@ -88,8 +88,8 @@ def test_ranks_checking_at_once_decode_each_image_once_and_each_report_the_unrea
     system's, per open file, so it keeps two threads apart as it keeps two processes)."""
     data, run = make_images(tmp_path / "data"), tmp_path / "run"
     (data / "c" / "broken.jpg").write_text("not an image")
-    slow = my_dataset.image_problem
-    monkeypatch.setattr(my_dataset, "image_problem", lambda path: threading.Event().wait(0.01) or slow(path))
+    slow = images.image_problem
+    monkeypatch.setattr(images, "image_problem", lambda path: threading.Event().wait(0.01) or slow(path))
     start, found = threading.Barrier(3), []
 
     def rank():

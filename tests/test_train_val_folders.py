@@ -10,8 +10,8 @@ from conftest import FAST, assert_user_error, run_script
 from PIL import Image
 
 import evaluate
-from my_dataset import list_images, read_split_data
-from plumbing.demo_data import make_demo_data
+from dataset.demo import make_demo_data
+from dataset.folders import list_images, read_split_data
 from utils import UserError
 
 

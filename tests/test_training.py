@@ -127,8 +127,8 @@ def test_without_sync_bn_each_process_keeps_its_own_batchnorm_statistics(tiny_da
 def test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights(tiny_data, torchrun_run):
     from wiring import loaders
 
+    from dataset.folders import read_split_data
     from multi_train_utils.train_eval_utils import evaluate
-    from my_dataset import read_split_data
 
     split = read_split_data(tiny_data, seed=3)
     model = resnet18(num_classes=5)  # SMALL_MODEL
@@ -225,7 +225,7 @@ def test_boolean_flags_are_real_booleans(tiny_data, run_main):
     result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--freeze-layers", "False", *FAST)
     assert_user_error(result, "unrecognized arguments: False")
     # ...and --no-freeze-layers / --freeze-layers say what they mean.
-    from plumbing.config import parse_config
+    from recipe.config import parse_config
 
     assert parse_config("train_single_gpu", "", ["--no-freeze-layers"]).freeze_layers is False
     assert parse_config("train_single_gpu", "", ["--freeze-layers"]).freeze_layers is True
@@ -235,7 +235,7 @@ def test_boolean_flags_are_real_booleans(tiny_data, run_main):
 
 @pytest.mark.fast
 def test_demo_settings_yield_to_flags_given_on_the_command_line():
-    from plumbing.config import DEMO_DEFAULTS, parse_config
+    from recipe.config import DEMO_DEFAULTS, parse_config
 
     demo = parse_config("train_single_gpu", "", ["--demo"])
     assert {name: getattr(demo, name) for name in DEMO_DEFAULTS} == DEMO_DEFAULTS

@@ -1,39 +1,68 @@
-"""The training scripts' wiring, for the tests that check its properties piece by piece: each helper makes what
-train_multi_gpu_using_launch.py's `train` makes (train_single_gpu.py's, with a world of one), from the same
-functions, in the same way. Keep them in step with the scripts."""
+"""The training scripts' wiring, for the tests that check its properties piece by piece: the loaders and the model
+of train_multi_gpu_using_launch.py's `train` (train_single_gpu.py's, for the single-process model), built by the
+very statements that `train` runs. Each block between "statement for statement" and "end of" lines is the script's
+own, token for token: tests/test_wiring.py fails when the two differ."""
+
+from types import SimpleNamespace
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from model import initial_model
-from multi_train_utils.distributed_utils import shuffled_batches, val_shard
+from model import data_parallel_over_gpus, initial_model
+from multi_train_utils.distributed_utils import Process, shuffled_batches, val_shard
+from multi_train_utils.stop_and_resume import ignore_stop_signals
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from my_dataset import datasets
-from plumbing.compute import Compute
-from plumbing.config import Config
+from recipe.config import Config
+from recipe.precision import Compute
+
+CPU = torch.device("cpu")
 
 
 def loaders(split, img_size: int, batch_size: int, seed: int, world_size=1, rank=0, workers=0, **augment):
     """(training loader, validation loader) of process `rank` of `world_size`, with `workers` loader workers and
     the augmentation flags `augment` (auto_augment, random_erase)."""
-    train_set, val_set, _ = datasets(split, Config(img_size=img_size, **augment))
-    loading = {"num_workers": workers, "persistent_workers": workers > 0}
-    batches = shuffled_batches(train_set, batch_size, seed, rank, world_size)
-    val_sampler = val_shard(val_set, rank, world_size)
-    return (
-        DataLoader(train_set, batch_sampler=batches, **loading),
-        DataLoader(val_set, batch_size=batch_size, sampler=val_sampler, **loading),
-    )
+    config = Config(img_size=img_size, batch_size=batch_size, seed=seed, **augment)
+    plan, process, device = SimpleNamespace(split=split), Process(rank, world_size), CPU
+    # statement for statement: train_multi_gpu_using_launch.py
+    train_set, val_set, decoded = datasets(plan.split, config, process.local_world_size)
+    # end of train_multi_gpu_using_launch.py
+    # statement for statement: train_multi_gpu_using_launch.py
+    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
+    loading["pin_memory"] = device.type == "cuda"
+    loading["worker_init_fn"] = ignore_stop_signals
+    batches = shuffled_batches(train_set, config.batch_size, config.seed, process.rank, process.world_size)
+    train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
+    val_sampler = val_shard(val_set, process.rank, process.world_size)
+    val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
+    # end of train_multi_gpu_using_launch.py
+    return train_loader, val_loader
 
 
 def model_as_trained(num_classes: int, compute: Compute = Compute(), sync_bn=False, distributed=False, compile=False):
     """(the model as it is trained: in DDP wrapped, with SyncBatchNorm when `sync_bn`; compiled when `compile`,
-    the model itself, for evaluating and saving), seeded with 0, on the CPU."""
-    model = initial_model("resnet34", num_classes, torch.device("cpu"), compute.memory_format)
-    trained = model
+    the model itself, for evaluating and saving): ResNet-34, seeded with 0, on the CPU."""
+    config = Config(model="resnet34", seed=0, sync_bn=sync_bn, compile=compile)
+    plan, device = SimpleNamespace(split=SimpleNamespace(classes=range(num_classes)), weights=None), CPU
     if distributed:
-        if sync_bn:
-            model = convert_sync_batchnorm(model, torch.device("cpu"))
-        trained = DistributedDataParallel(model)
-    return (torch.compile(trained) if compile else trained), model
+        # statement for statement: train_multi_gpu_using_launch.py
+        model = initial_model(
+            config.model, len(plan.split.classes), device, compute.memory_format,
+            seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
+        )  # fmt: skip
+        if config.sync_bn and not config.freeze_layers:
+            model = convert_sync_batchnorm(model, device)
+        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        trained = torch.compile(trained) if config.compile else trained
+        # end of train_multi_gpu_using_launch.py
+    else:
+        # statement for statement: train_single_gpu.py
+        model = initial_model(
+            config.model, len(plan.split.classes), device, compute.memory_format,
+            seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
+        )  # fmt: skip
+        trained = data_parallel_over_gpus(model, device) if config.data_parallel else model
+        trained = torch.compile(trained) if config.compile else trained
+        # end of train_single_gpu.py
+    return trained, model

@@ -62,6 +62,7 @@ import sys
 import time
 from pathlib import Path
 from queue import Empty
+from types import SimpleNamespace
 
 import torch
 from torch.utils.data import DataLoader
@@ -70,26 +71,20 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project's modules, for `python tools/benchmark.py` from anywhere
 
+from dataset.demo import make_demo_data  # noqa: E402
+from dataset.folders import read_split_data  # noqa: E402
+from machine import describe_cpu  # noqa: E402
 from model import create_model, initial_model  # noqa: E402
 from multi_train_utils.distributed_utils import resolve_device, shuffled_batches  # noqa: E402
+from multi_train_utils.stop_and_resume import ignore_stop_signals  # noqa: E402
 from multi_train_utils.train_eval_utils import Training, train_one_epoch  # noqa: E402
-from my_dataset import datasets, read_split_data  # noqa: E402
+from my_dataset import datasets  # noqa: E402
 from plot_results import plot_benchmark  # noqa: E402
-from plumbing.autotune import CACHE_ENV, cache_file, read_entries, synchronize, training_step  # noqa: E402
-from plumbing.compute import (  # noqa: E402
-    AMP_DTYPES,
-    PRECISION_NAMES,
-    Compute,
-    amp_candidates,
-    amp_flag,
-    choose_compute,
-    short_name,
-)
-from plumbing.config import DEMO_DEFAULTS, SINGLE, Config, parse_config  # noqa: E402
-from plumbing.demo_data import make_demo_data  # noqa: E402
-from plumbing.machine import describe_cpu  # noqa: E402
-from plumbing.recipe import build_optimizer  # noqa: E402
-from plumbing.run_log import peak_memory  # noqa: E402
+from recipe.config import DEMO_DEFAULTS, SINGLE, Config, parse_config  # noqa: E402
+from recipe.optimizer import build_optimizer  # noqa: E402
+from recipe.precision import AMP_DTYPES, PRECISION_NAMES, Compute, amp_flag, choose_compute, short_name  # noqa: E402
+from run.autotune import CACHE_ENV, amp_candidates, cache_file, read_entries, synchronize, training_step  # noqa: E402
+from run.metrics import peak_memory  # noqa: E402
 from tools.startup_benchmark import image_counts, startup_benchmark  # noqa: E402
 from utils import Parser, UserError, entry_point, number, write_json  # noqa: E402
 
@@ -230,22 +225,28 @@ def loop_steps(model, optimizer, scaler, compute, device, batch, steps: int) -> 
     train_one_epoch(Training(model, optimizer, compute=compute, scaler=scaler), [batch] * steps, device, 0)
 
 
-def _loader(queue, split, img_size, batch_size, workers, images, start_method, pin_memory):
-    """In a fresh process: images per second of the training loader as the training scripts build it (at their
-    default settings; batches in pinned memory for a GPU), iterated without a model. Its workers start as
-    they do in train_single_gpu.py: by `start_method`, the platform's default (this process was started by the
-    forkserver, and would otherwise start them that way too).
+def _loader(queue, split, img_size, batch_size, workers, images, start_method, device):
+    """In a fresh process: images per second of the training loader as train_single_gpu.py builds it (at its
+    default settings, on `device`), iterated without a model. Its workers start as they do in the script: by
+    `start_method`, the platform's default (this process was started by the forkserver, and would otherwise start
+    them that way too).
 
     The first max(2, workers) batches are not timed: the workers start and fill their queues. Then at least
     `images` images, in whole rounds of `workers` batches (the workers deliver batches in turn, each its own),
     over as many epochs as that takes."""
     multiprocessing.set_start_method(start_method, force=True)
-    train_set, _, decoded = datasets(split, Config(img_size=img_size))  # the scripts' wiring, at their defaults
-    batches = shuffled_batches(train_set, batch_size, seed=0)
-    loader = DataLoader(
-        train_set, batch_sampler=batches, num_workers=workers, persistent_workers=workers > 0, pin_memory=pin_memory
-    )
-    batches = batches_over_epochs(loader)
+    config, plan = Config(img_size=img_size, batch_size=batch_size), SimpleNamespace(split=split)
+    # statement for statement: train_single_gpu.py
+    train_set, val_set, decoded = datasets(plan.split, config, 1)
+    # end of train_single_gpu.py
+    # statement for statement: train_single_gpu.py
+    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
+    loading["pin_memory"] = device.type == "cuda"
+    loading["worker_init_fn"] = ignore_stop_signals
+    batches = shuffled_batches(train_set, config.batch_size, config.seed)
+    train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
+    # end of train_single_gpu.py
+    batches = batches_over_epochs(train_loader)
     for _ in range(max(2, workers)):
         next(batches)
     rounds = math.ceil(math.ceil(images / batch_size) / workers)
@@ -521,8 +522,7 @@ def loader_rows(args, split, workers: int):
         theirs = f"loader, {worker_phrase(workers)} (as the training scripts)"
     start_method = multiprocessing.get_start_method()  # what a script's loader gets: the platform's default
     for count, name in ((1, "loader, 1 worker"), (max(1, workers), theirs)):
-        measure = (split, args.img_size, args.batch_size, count, args.loader_images, start_method)
-        measure += (device.type == "cuda",)  # pinned, as train() asks on a GPU
+        measure = (split, args.img_size, args.batch_size, count, args.loader_images, start_method, device)
         measured = in_fresh_process(name, _loader, *measure)
         measured["img_per_sec_per_worker"] = measured["img_per_sec"] / count
         yield row(name, "loader", 1, "–", measured)
@@ -614,24 +614,7 @@ def main(argv=None):
         raise UserError(f"--device {args.device} asked for a GPU but none is visible; use --device cpu")
     if args.startup_sizes:
         return startup_benchmark(args.startup_sizes, args.output_dir, args.device)
-    device = torch.device(args.device)
-    nprocs = args.nprocs or (torch.cuda.device_count() if args.device.startswith("cuda") else 2)
-    if args.fixed is None:  # float32 in both layouts; bfloat16 too where auto would consider it
-        args.fixed = [name for name, (amp, _) in FIXED.items() if amp in amp_candidates("auto", device)[0]]
-    left_out = ({"torchrun", "spawn"} if args.skip_ddp else set()) | ({"demo"} if args.skip_demo else set())
-    args.rows = [kind for kind in KINDS if kind == "auto" or kind in args.rows and kind not in left_out]
-    if "fixed" not in args.rows:
-        args.fixed = []
-    if args.data_path is None:
-        width, height = FLOWER_PHOTOS_SIZE
-        folder = ROOT / "data" / f"benchmark_flowers_{width}x{height}_{args.images_per_class}"
-        args.data_path = make_demo_data(folder, images_per_class=args.images_per_class, size=FLOWER_PHOTOS_SIZE)
-    if (args.output_dir / "runs").exists():
-        raise UserError(f"{args.output_dir} already holds a benchmark: choose another --output-dir or remove it")
-    # auto's choices go to the benchmark's own file, empty at the start: each benchmark measures anew, as a first
-    # run does, and never reads or changes the user's
-    os.environ[CACHE_ENV] = str((args.output_dir / "autotune.json").resolve())
-
+    nprocs = settle(args)
     print(f"Benchmark: {args.img_size} px, batch {args.batch_size}, data {args.data_path}, output {args.output_dir}")
     machine = describe_machine(args.device)
     print(f"Machine: {machine}")
@@ -639,25 +622,14 @@ def main(argv=None):
     auto, compute, workers = auto_run(args)  # first: the rows below compute as it chose
     print(f"auto chose {described(compute)}, {worker_phrase(workers)}; measuring took {auto['measure_seconds']} s")
     fixed = [Compute(AMP_DTYPES[FIXED[name][0]]) for name in args.fixed]
-    peaks, flops = measure_peaks([compute, *fixed], device), training_flops_per_image(args.img_size)
+    peaks, flops = measure_peaks([compute, *fixed], torch.device(args.device)), training_flops_per_image(args.img_size)
     print(
         "Matrix-product peak: " + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
         + f"; a training step is {flops / 1e9:.2f} GFLOP per image"
     )  # fmt: skip
-    benchmark = {
-        "machine": machine,
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "settings": {
-            "img_size": args.img_size, "batch_size": args.batch_size, "nprocs": nprocs, "device": args.device,
-            "precision": described(compute), "channels_last": compute.channels_last, "workers": workers,
-            "matmul_peak_flops": peaks, "training_flops_per_image": flops, "data_path": str(args.data_path),
-            "epochs": args.epochs, "steps": args.steps, "loader_images": args.loader_images, "fixed": args.fixed,
-            "rows": args.rows,
-        },
-        "complete": False,  # until the last row: a benchmark stopped midway leaves the rows it finished
-        "rows": [],
-    }  # fmt: skip
+    settings = {"nprocs": nprocs, "precision": described(compute), "channels_last": compute.channels_last,
+                "workers": workers, "matmul_peak_flops": peaks, "training_flops_per_image": flops}  # fmt: skip
+    benchmark = new_benchmark(args, machine, settings)
     results = args.output_dir / "benchmark.json"
     print(f"\nRows as they are measured (of {', '.join(args.rows)}), each written to {results} at once:")
     print(TABLE_HEADER, flush=True)
@@ -672,13 +644,56 @@ def main(argv=None):
         record(benchmark, measured, results)
     benchmark["complete"] = True
     write_json(results, benchmark)
+    report(benchmark, args, results, native_bf16=compute.amp_dtype == torch.bfloat16)
 
+
+def settle(args) -> int:
+    """Fill in what the flags leave to the benchmark (the fixed configurations, the rows, the data: generated
+    JPEGs), check the output folder is new, and keep auto's choices in the benchmark's own file; returns the
+    number of processes of the DDP rows."""
+    if args.fixed is None:  # float32 in both layouts; bfloat16 too where auto would consider it
+        candidates = amp_candidates("auto", torch.device(args.device))[0]
+        args.fixed = [name for name, (amp, _) in FIXED.items() if amp in candidates]
+    left_out = ({"torchrun", "spawn"} if args.skip_ddp else set()) | ({"demo"} if args.skip_demo else set())
+    args.rows = [kind for kind in KINDS if kind == "auto" or kind in args.rows and kind not in left_out]
+    if "fixed" not in args.rows:
+        args.fixed = []
+    if args.data_path is None:
+        width, height = FLOWER_PHOTOS_SIZE
+        folder = ROOT / "data" / f"benchmark_flowers_{width}x{height}_{args.images_per_class}"
+        args.data_path = make_demo_data(folder, images_per_class=args.images_per_class, size=FLOWER_PHOTOS_SIZE)
+    if (args.output_dir / "runs").exists():
+        raise UserError(f"{args.output_dir} already holds a benchmark: choose another --output-dir or remove it")
+    # auto's choices go to the benchmark's own file, empty at the start: each benchmark measures anew, as a first
+    # run does, and never reads or changes the user's
+    os.environ[CACHE_ENV] = str((args.output_dir / "autotune.json").resolve())
+    return args.nprocs or (torch.cuda.device_count() if args.device.startswith("cuda") else 2)
+
+
+def new_benchmark(args, machine: str, settings: dict) -> dict:
+    """benchmark.json before its first row: the machine, the date, torch, and the settings (the flags', and
+    `settings`: what was measured or chosen before the rows)."""
+    return {
+        "machine": machine,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "settings": {
+            "img_size": args.img_size, "batch_size": args.batch_size, "device": args.device, **settings,
+            "data_path": str(args.data_path), "epochs": args.epochs, "steps": args.steps,
+            "loader_images": args.loader_images, "fixed": args.fixed, "rows": args.rows,
+        },
+        "complete": False,  # until the last row: a benchmark stopped midway leaves the rows it finished
+        "rows": [],
+    }  # fmt: skip
+
+
+def report(benchmark: dict, args, results: Path, native_bf16: bool) -> None:
+    """The chart, the whole table and the targets, at the end."""
     rows = benchmark["rows"]
     plot_benchmark(benchmark, args.output_dir / "benchmark.png")
     print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
     print(markdown_table(rows))
-    targets = against_targets(rows, native_bf16=compute.amp_dtype == torch.bfloat16) + auto_targets(rows)
-    print("\n" + "\n".join(targets))
+    print("\n" + "\n".join(against_targets(rows, native_bf16) + auto_targets(rows)))
     print(f"\nWrote {results} and {args.output_dir / 'benchmark.png'}")
 
 

@@ -34,9 +34,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from my_dataset import MyDataSet, decode_once, read_split_data, split_fingerprint, train_transform, val_transform
-from plumbing.image_check import CHECKED_IMAGES, ImageCheck
-from plumbing.machine import describe_cpu
+from dataset.folders import read_split_data, split_fingerprint
+from dataset.image_check import CHECKED_IMAGES, ImageCheck
+from dataset.in_memory import decode_once
+from dataset.transforms import train_transform, val_transform
+from machine import describe_cpu
+from my_dataset import MyDataSet
 from utils import UserError, write_json
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,8 +38,8 @@ if os.environ.get("FAULT"):
     import torch
     import torch.distributed as dist
 
+    import multi_train_utils.stop_and_resume as stop_and_resume
     import multi_train_utils.train_eval_utils as training
-    import plumbing.run_log as run_log
 
     faults = [(kind, numbers) for kind, *numbers in (fault.split(":") for fault in os.environ["FAULT"].split(","))]
     real_train_one_epoch = training.train_one_epoch
@@ -75,13 +75,13 @@ if os.environ.get("FAULT"):
         return each
 
     def signal_again_while_saving(signum: int) -> None:
-        real_save = run_log.save_atomically
+        real_save = stop_and_resume.save_atomically
 
         def save(state, path):
             os.kill(os.getpid(), signum)
             real_save(state, path)
 
-        run_log.save_atomically = save
+        stop_and_resume.save_atomically = save
 
     def faulty_train_one_epoch(steps, data_loader, device, epoch, *how, **options):
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -115,14 +115,14 @@ if os.environ.get("FAULT"):
 
 if os.environ.get("DECODE_LOG") and sys.argv[0].endswith(".py"):
     # DECODE_LOG=FOLDER: every script process (torchrun's workers, not torchrun itself) appends to FOLDER/<pid>.log
-    # the path of each image its start-up check decodes (my_dataset.image_problem), one a line.
-    import my_dataset
+    # the path of each image its start-up check decodes (dataset/images.py's image_problem), one a line.
+    from dataset import images
 
-    real_image_problem = my_dataset.image_problem
+    real_image_problem = images.image_problem
 
     def logged_image_problem(path):
         with open(os.path.join(os.environ["DECODE_LOG"], f"{os.getpid()}.log"), "a") as log:
             log.write(f"{path}\n")
         return real_image_problem(path)
 
-    my_dataset.image_problem = logged_image_problem
+    images.image_problem = logged_image_problem

@@ -12,9 +12,9 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from dataset.demo import DEMO_DATA_PATH
+from dataset.transforms import AUTO_AUGMENT
 from model import DEFAULT_MODEL, IMAGENET, model_names
-from my_dataset import AUTO_AUGMENT
-from plumbing.demo_data import DEMO_DATA_PATH
 from utils import HelpFormatter, Parser, UserError, number, positive_float, positive_int
 
 SINGLE, LAUNCH, SPAWN = "train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn"
@@ -28,7 +28,8 @@ WEIGHT_DECAY = {"sgd": 1e-4, "adamw": 0.05}
 
 
 def flag(default, help: str, *, group: str, recipe=False, scripts=SCRIPTS, switch=False, **argparse_options):
-    """A Config field that is also a command-line flag (--name-with-dashes) of `scripts`, in help group `group`.
+    """A Config field that is also a command-line flag of `scripts` (its name, dashes for underscores), in help
+    group `group`.
 
     `switch`: an on/off flag with a --no- form (argparse's type=bool would take "False" as true). `recipe`: the
     value decides what the run computes, so a resumed run must keep it.

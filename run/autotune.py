@@ -6,7 +6,7 @@ start at once.
 measured. For the rest, a run times what it may choose between before it trains:
 
 - precision and layout: a few training steps (forward, loss, backward, optimizer step) of the run's model on a
-  synthetic batch of the run's size, in each candidate (plumbing/compute.py compute_candidates: float32, and
+  synthetic batch of the run's size, in each candidate (recipe/precision.py compute_candidates: float32, and
   bfloat16 where the device has its instructions, each in NCHW and channels_last), after an untimed warm-up step
   (it allocates memory and picks kernels). The steps take turns, so that a machine whose speed drifts (a shared
   CPU, a GPU warming up) slows every candidate alike, and each keeps its fastest step: one round, and more (up to
@@ -42,19 +42,10 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 
+from machine import AVX2_CAPS, available_cores, cores_per_process, cpu_bfloat16, cpu_name, torch_cpu_isa, use_cores
 from model import create_model, freeze_all_but_head
 from multi_train_utils.distributed_utils import broadcast_object, get_world_size, is_main_process, print_once
-from plumbing.compute import (
-    AMP_DTYPES,
-    Compute,
-    amp_candidates,
-    amp_flag,
-    choose_compute,
-    compute_candidates,
-    short_name,
-    summary,
-)
-from plumbing.machine import AVX2_CAPS, available_cores, cores_per_process, cpu_name, torch_cpu_isa, use_cores
+from recipe.precision import AMP_DTYPES, Compute, amp_flag, choose_compute, short_name, summary
 from utils import OutputError, write_json
 
 # Where the choices are kept (a file path), instead of the user's cache folder: for tests, or a shared disk.
@@ -297,6 +288,37 @@ def choose_workers(device: torch.device, share: int, step: float, load: float) -
     workers = min(range(share), key=per_image)
     estimate = ", ".join(f"{w} workers {1 / per_image(w):.0f} img/s" for w in sorted({0, 1, workers}))
     return workers, f"{measured} on {share} threads: {workers} loader workers (estimated: {estimate})"
+
+
+def amp_candidates(amp: str, device: torch.device) -> tuple[list[str], str]:
+    """The --amp values to choose among on `device`, and why (the phrase the printed line gives).
+
+    A given value is the only one. "auto" is float32, and bfloat16 too where the device has bfloat16 arithmetic
+    (GPUs from Ampere on; CPUs with AMX or AVX512-BF16, unless ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA cap
+    torch below them): elsewhere bfloat16 is emulated and slower than float32, not worth timing. Having the
+    instructions does not make it faster: run/autotune.py times both (on a Xeon with AVX512-BF16 but no
+    AMX, float32 is faster). float16 is never chosen for you: its gradient scaling skips steps that overflow, a
+    change to training that only a flag should make. On a Mac's GPU (mps) auto is float32: autocast there is not
+    checked here.
+    """
+    if amp != "auto":
+        return [amp], f"--amp {amp}"
+    if device.type == "mps":
+        return ["off"], "--amp auto: autocast on mps is not measured here"
+    if device.type == "cuda":
+        native = torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and later compute bf16 natively
+        why = "this GPU computes bfloat16 natively" if native else "this GPU has no native bfloat16"
+    else:
+        native, why = cpu_bfloat16()
+    return (["off", "bf16"] if native else ["off"]), f"--amp auto: {why}"
+
+
+def compute_candidates(amp: str, channels_last: bool | None, device: torch.device) -> list[Compute]:
+    """Every way of computing the flags allow: the precisions of amp_candidates, each in both memory layouts
+    unless --channels-last or --no-channels-last says which (NCHW first: the original's float32 NCHW leads)."""
+    layouts = [False, True] if channels_last is None else [channels_last]
+    precisions = amp_candidates(amp, device)[0]
+    return [Compute(AMP_DTYPES[precision], layout) for layout in layouts for precision in precisions]
 
 
 def cache_file() -> Path:

@@ -1,68 +1,18 @@
-"""The recipe around the network: the optimizer and its learning-rate schedule, the loss (label smoothing, class
-weights, mixup and cutmix), and the weights' moving average (EMA).
-
-Each piece is torch's or torchvision's own (torch.optim.SGD and AdamW, LambdaLR, cross_entropy, v2.MixUp and
-v2.CutMix, swa_utils.AveragedModel); what is written here is how they are combined, so that every option means
-the same on one process and on eight.
-"""
+"""What a training step minimises: cross-entropy against soft targets, with label smoothing, class weights, and
+torchvision's mixup and cutmix (v2.MixUp, v2.CutMix) drawn from a seed of the step's own."""
 
 import functools
-import math
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.optim import lr_scheduler
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
-from multi_train_utils.distributed_utils import print_once
-from my_dataset import SKIPPED, normalise, sample_seed
-
-
-def build_optimizer(model, config, batches_per_epoch: int, world_size: int = 1):
-    """The optimizer over the trainable parameters, and its schedule, stepped after every optimizer step: a
-    linear warmup over --warmup-epochs, then a half cosine from the full rate down to rate * --lrf.
-
-    The full rate is --lr times the batches of --batch-size images a step averages over: `world_size` processes,
-    each summing --accumulate micro-batches (the linear scaling rule: a global batch that many times larger); an
-    epoch of `batches_per_epoch` micro-batches takes that many optimizer steps, the last with what is left.
-    `config` is a Config (lr, opt, momentum, weight_decay, epochs, lrf, warmup_epochs, accumulate, batch_size).
-    """
-    rate = config.lr * world_size * config.accumulate
-    params = [p for p in model.parameters() if p.requires_grad]
-    if config.opt == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=rate, weight_decay=config.weight_decay)
-    else:
-        optimizer = torch.optim.SGD(params, lr=rate, momentum=config.momentum, weight_decay=config.weight_decay)
-    factor = functools.partial(
-        schedule_factor,
-        steps_per_epoch=math.ceil(batches_per_epoch / config.accumulate),
-        epochs=config.epochs,
-        warmup_epochs=config.warmup_epochs,
-        lrf=config.lrf,
-    )
-    print_once(
-        f"Learning rate {rate:g} (--lr {config.lr:g} x {world_size} process(es) x {config.accumulate} "
-        f"micro-batch(es)) for a global batch of {config.batch_size * world_size * config.accumulate}"
-    )
-    return optimizer, lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def schedule_factor(step: int, *, steps_per_epoch: int, epochs: int, warmup_epochs: int, lrf: float) -> float:
-    """The learning rate at optimizer step `step` (counted from 0 over the run) as a share of the full rate.
-
-    Warmup: 1/W, 2/W, ..., 1 over its W steps. Then the cosine: 1 at the first step after warmup, falling to lrf
-    at the end of the last epoch; without warmup, each epoch starts at (1 + cos(pi * epoch / epochs)) / 2 of the
-    way from lrf to 1.
-    """
-    warmup = warmup_epochs * steps_per_epoch
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, epochs * steps_per_epoch - warmup)
-    return lrf + (1 - lrf) * (1 + math.cos(math.pi * min(progress, 1.0))) / 2
+from dataset.sampling import sample_seed
+from dataset.transforms import normalise
+from my_dataset import SKIPPED
 
 
 def balanced_class_weights(labels: list[int], num_classes: int) -> torch.Tensor:
@@ -134,18 +84,27 @@ class Objective:
         return -(targets * log_p).sum()
 
 
+def class_weights(config, split) -> torch.Tensor | None:
+    """The class weights --class-weights asks for, from the training split; None for none."""
+    return (
+        balanced_class_weights(split.train_labels, len(split.classes)) if config.class_weights == "balanced" else None
+    )
+
+
+def describe_class_weights(config, split) -> str | None:
+    """The line a run prints about its class weights, e.g. "Class weights (balanced): daisy 1.02, ..."; None
+    without."""
+    weights = class_weights(config, split)
+    if weights is None:
+        return None
+    return "Class weights (balanced): " + ", ".join(
+        f"{name} {weight:.2f}" for name, weight in zip(split.classes, weights.tolist(), strict=True)
+    )
+
+
 def build_objective(config, split) -> Objective:
-    """The loss the configuration asks for: label smoothing, class weights from the training split (saying them),
-    mixup and cutmix."""
-    weights = None
-    if config.class_weights == "balanced":
-        weights = balanced_class_weights(split.train_labels, len(split.classes))
-        shown = (f"{name} {weight:.2f}" for name, weight in zip(split.classes, weights.tolist(), strict=True))
-        print_once("Class weights (balanced): " + ", ".join(shown))
-    return Objective(config.label_smoothing, weights, config.mixup_alpha, config.cutmix_alpha, config.seed)
-
-
-def model_ema(model: nn.Module, decay: float) -> AveragedModel:
-    """An exponential moving average of `model`'s weights and buffers (BatchNorm's running statistics included):
-    after each optimizer step, average = decay * average + (1 - decay) * weights; the first step copies them."""
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    """The loss the configuration asks for: label smoothing, class weights from the training split, mixup and
+    cutmix."""
+    return Objective(
+        config.label_smoothing, class_weights(config, split), config.mixup_alpha, config.cutmix_alpha, config.seed
+    )

@@ -11,13 +11,13 @@ from pathlib import Path
 
 from filelock import BaseFileLock, FileLock, Timeout
 
+from dataset.demo import DEMO_DATA_PATH, make_demo_data
+from dataset.folders import DataSplit, read_split_data, split_fingerprint
+from dataset.image_check import ImageCheck
 from model import create_model, load_weights, weights_file
+from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from multi_train_utils.distributed_utils import check_backend, launcher_environment
-from my_dataset import DataSplit, read_split_data, split_fingerprint
-from plumbing.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from plumbing.config import Config
-from plumbing.demo_data import DEMO_DATA_PATH, make_demo_data
-from plumbing.image_check import ImageCheck
+from recipe.config import Config
 from utils import UserError, check_writable, describe
 
 
@@ -60,8 +60,10 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     weights = None
     if config.weights is not None:
         weights = weights_file(config.weights, config.model)  # `imagenet`: downloaded here, before any worker starts
-        # refuse an unusable file before starting
-        load_weights(create_model(len(split.classes), config.model), weights, name=config.model)
+        # refuse an unusable file before starting, and say what it holds for the model
+        report = load_weights(create_model(len(split.classes), config.model), weights, name=config.model)
+        if first_rank():  # under torchrun every rank prepares: say it once
+            print(f"Weights from {weights}: {report.summary()}", flush=True)
     check_writable(output_dir)
     if first_rank():  # under torchrun every rank prepares; rank 0 writes
         hold_run_folder(output_dir)  # before looking at what the folder holds: another live run may be writing it
@@ -146,8 +148,9 @@ def per_process_recipe(config: Config, saved: dict | None, world_size: int, chec
     step averages batch x processes x --accumulate images at lr x processes x --accumulate (the linear scaling
     rule). Resumed on another number of processes, each process takes a share of the same global batch, and
     --lr scales with it, so that every step averages the same images at the same rate: the recipe, and with
-    SyncBatchNorm the very computation, is unchanged (tests/test_resize.py). A global batch that does not split
-    evenly is refused.
+    SyncBatchNorm the very computation, is unchanged (test_equivalence.py's
+    test_a_run_resumed_on_another_number_of_processes_takes_the_steps_of_the_uninterrupted_run). A global batch
+    that does not split evenly is refused.
     """
     recipe_world_size = world_size if saved is None else saved.get("recipe_world_size", saved["world_size"])
     given = {"batch_size": config.batch_size, "lr": config.lr, "recipe_world_size": recipe_world_size}

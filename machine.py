@@ -102,9 +102,8 @@ def describe_cpu() -> str:
     )
 
 
-# On the CPU, loading an image (decode, crop, flip, normalise) costs a few percent of training on it (1.4 ms of
-# one core against about 60 core-milliseconds at 224 px with bf16 on the AMX machine): one loader process keeps
-# up with 8 cores.
+# On the CPU, loading an image (decode, crop, flip) costs a few percent of training on it (docs/performance.md,
+# Where the time goes): one loader process keeps up with 8 cores.
 CORES_PER_CPU_LOADER = 8
 MAX_GPU_LOADERS = 8
 
@@ -117,7 +116,7 @@ def cores_per_process(processes_here: int = 1) -> int:
 def core_budget(device: torch.device, processes_here: int = 1, batch_size: int = 1, workers: int | None = None):
     """(loader workers, compute threads) for one of `processes_here` processes sharing this machine's cores, by
     rule: for predict.py and evaluate.py, and for the compute threads beside a --workers given to training (whose
-    workers left to auto are measured instead: plumbing/autotune.py).
+    workers left to auto are measured instead: run/autotune.py).
 
     On a GPU (CUDA, or a Mac's mps) the cores only prepare data: up to 8 workers (no more than a batch's images).
     On the CPU the same cores also compute, and a loader process that takes a core away from a compute thread

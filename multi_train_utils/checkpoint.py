@@ -9,8 +9,6 @@ from pathlib import Path
 
 import torch
 
-from multi_train_utils.distributed_utils import print_once
-from plumbing.preemption import Midway
 from utils import UserError, safe_load, write_atomically
 
 CHECKPOINT_NAME = "checkpoint.pth"
@@ -66,7 +64,8 @@ def load_checkpoint(path) -> dict:
 
 def restore(state: dict, model, training) -> tuple[int, float]:
     """Put a checkpoint's state back into the model, what `training` steps, and the random generators; returns
-    (the first epoch to train, the best validation accuracy so far)."""
+    (the first epoch to train, the best validation accuracy so far). Where in that epoch a run stopped at a step
+    continues is stop_and_resume's (Midway)."""
     model.load_state_dict(state["model"])
     training.optimizer.load_state_dict(state["optimizer"])
     training.scheduler.load_state_dict(state["scheduler"])
@@ -75,9 +74,6 @@ def restore(state: dict, model, training) -> tuple[int, float]:
     if training.ema is not None:
         training.ema.load_state_dict(state["ema"])
     set_rng_states(state["rng"])
-    if state.get("midway") is not None:  # stopped at a step of the epoch after state["epoch"]
-        midway = state["midway"]
-        training.midway = Midway(midway["step"], midway["totals"], state["rng"], midway["lr"])
     return state["epoch"] + 1, state["best_acc"]
 
 
@@ -88,19 +84,6 @@ def set_rng_states(rng: dict) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     if "mps" in rng and torch.backends.mps.is_available():
         torch.mps.set_rng_state(rng["mps"])
-
-
-def resume_from(checkpoint: Path | None, model, training, epochs: int) -> tuple[int, float]:
-    """(the first epoch to train, the best validation accuracy so far): from `checkpoint` when the plan resumes
-    one (saying so), else (0, -1)."""
-    if checkpoint is None:
-        return 0, -1.0
-    start_epoch, best_acc = restore(load_checkpoint(checkpoint), model, training)
-    at_step = f", step {training.midway.step}" if training.midway is not None else ""
-    print_once(
-        f"Resuming from {checkpoint}: epoch {start_epoch}{at_step} of {epochs}, best val acc so far {best_acc:.3f}"
-    )
-    return start_epoch, best_acc
 
 
 def save_epoch(output_dir: Path, epoch: int, weights: dict, best: dict | None, state: dict, keep: bool = False) -> None:

@@ -14,11 +14,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from dataset.transforms import val_transform
+from machine import use_cores
 from model import create_model, head_classes, load_weights, read_state_dict
-from my_dataset import MyDataSet, val_transform
-from plumbing.compute import Compute, choose_compute
-from plumbing.config import Config
-from plumbing.machine import use_cores
+from my_dataset import MyDataSet
+from recipe.config import Config
+from recipe.precision import Compute, choose_compute
 from utils import UserError, number, positive_int, safe_load
 
 
@@ -137,7 +138,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers",
         type=number(int, 0),
-        help="image loader processes (default: as for training, see plumbing/machine.py core_budget)",
+        help="image loader processes (default: as for training, see machine.py core_budget)",
     )
     parser.add_argument(
         "--device", help="cpu, cuda, cuda:N or mps (default: cuda when a GPU is visible, else mps on a Mac, else cpu)"

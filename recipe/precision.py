@@ -1,12 +1,11 @@
 """How the model computes: the precision (float32, or bfloat16/float16 autocast) and the memory layout (NCHW or
-channels_last), and which of them are worth timing on the device in hand (plumbing/autotune.py times them)."""
+channels_last), as the flags name them (which of them auto times on the device in hand: run/autotune.py)."""
 
 from dataclasses import dataclass
 
 import torch
 
-from my_dataset import normalise
-from plumbing.machine import cpu_bfloat16
+from dataset.transforms import normalise
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Compute:
 
     def batch_to(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A batch of images on `device`, in this memory layout. 8-bit images, as the loaders give them, travel
-        as they are (a quarter of float32's bytes) and are normalised there (my_dataset.normalise)."""
+        as they are (a quarter of float32's bytes) and are normalised there (dataset/transforms.py's normalise)."""
         device = torch.device(device)
         # non_blocking only pays on CUDA, from the pinned memory the loader fills there. The layout is changed on
         # the 8-bit pixels, and normalising keeps it: one float32 copy instead of two.
@@ -46,37 +45,6 @@ class Compute:
 # The --amp values and what each computes in.
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_NAMES = {"off": "float32", "bf16": "bfloat16 autocast", "fp16": "float16 autocast with gradient scaling"}
-
-
-def amp_candidates(amp: str, device: torch.device) -> tuple[list[str], str]:
-    """The --amp values to choose among on `device`, and why (the phrase the printed line gives).
-
-    A given value is the only one. "auto" is float32, and bfloat16 too where the device has bfloat16 arithmetic
-    (GPUs from Ampere on; CPUs with AMX or AVX512-BF16, unless ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA cap
-    torch below them): elsewhere bfloat16 is emulated and slower than float32, not worth timing. Having the
-    instructions does not make it faster: plumbing/autotune.py times both (on a Xeon with AVX512-BF16 but no
-    AMX, float32 is faster). float16 is never chosen for you: its gradient scaling skips steps that overflow, a
-    change to training that only a flag should make. On a Mac's GPU (mps) auto is float32: autocast there is not
-    checked here.
-    """
-    if amp != "auto":
-        return [amp], f"--amp {amp}"
-    if device.type == "mps":
-        return ["off"], "--amp auto: autocast on mps is not measured here"
-    if device.type == "cuda":
-        native = torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and later compute bf16 natively
-        why = "this GPU computes bfloat16 natively" if native else "this GPU has no native bfloat16"
-    else:
-        native, why = cpu_bfloat16()
-    return (["off", "bf16"] if native else ["off"]), f"--amp auto: {why}"
-
-
-def compute_candidates(amp: str, channels_last: bool | None, device: torch.device) -> list[Compute]:
-    """Every way of computing the flags allow: the precisions of amp_candidates, each in both memory layouts
-    unless --channels-last or --no-channels-last says which (NCHW first: the original's float32 NCHW leads)."""
-    layouts = [False, True] if channels_last is None else [channels_last]
-    precisions = amp_candidates(amp, device)[0]
-    return [Compute(AMP_DTYPES[precision], layout) for layout in layouts for precision in precisions]
 
 
 def amp_flag(compute: Compute) -> str:
@@ -99,7 +67,7 @@ def summary(compute: Compute, amp_reason: str, layout_reason: str) -> str:
 
 def choose_compute(amp: str, channels_last: bool | None, device: torch.device) -> tuple[Compute, str]:
     """How to compute without measuring, and the line saying so: the flags' values where given; what is left to
-    auto is float32 and NCHW, the original's (training measures instead: plumbing/autotune.py; this is for
+    auto is float32 and NCHW, the original's (training measures instead: run/autotune.py; this is for
     predicting with a run recorded before it did, and for runs whose flags say everything)."""
     if amp == "auto":
         amp, amp_reason = "off", "--amp auto: not measured"

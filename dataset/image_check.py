@@ -25,7 +25,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-import my_dataset
+import dataset.images
+from dataset.folders import relative_posix
 from utils import write_atomically
 
 CHECKED_IMAGES = "checked_images.json"  # in a run's folder: the verdicts
@@ -47,7 +48,7 @@ class ImageCheck:
         self.decoded = 0  # images decoded by this process (the rest had a verdict)
 
     def __call__(self, images: list[str]) -> list[str]:
-        names = my_dataset.relative_posix(images, self.root)
+        names = relative_posix(images, self.root)
         now = {name: (path, file_key(path)) for name, path in zip(names, images, strict=True)}
         self.verdicts = read_verdicts(self.folder)
         stale = self.stale(now)
@@ -76,7 +77,7 @@ class ImageCheck:
         """Decode the stale images of `now`, and keep their verdicts."""
         for name in self.stale(now):
             path, (size, mtime_ns) = now[name]
-            self.verdicts[name] = [size, mtime_ns, my_dataset.image_problem(path)]
+            self.verdicts[name] = [size, mtime_ns, dataset.images.image_problem(path)]
             self.decoded += 1
             self.unsaved = True
         self.keep_listed(now)

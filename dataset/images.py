@@ -1,0 +1,60 @@
+"""Reading an image file: any image PIL reads, as 8-bit RGB, large JPEGs decoded at a reduced scale; its size
+from the header alone; and whether it can be decoded at all."""
+
+import math
+
+import numpy as np
+from PIL import ExifTags, Image, ImageOps
+
+
+def image_problem(path) -> str | None:
+    """Why PIL cannot decode this file (truncated, not an image, ...), or None if it can."""
+    try:
+        with Image.open(path) as image:
+            image.draft("RGB", (32, 32))  # JPEGs decode at reduced scale: fast, and still reads every byte
+            image.load()
+    except Exception as error:  # PIL raises many types for bad files; each means "unusable image"
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def load_rgb(path, min_side: int | None = None) -> Image.Image:
+    """Open any image PIL reads as 8-bit RGB: grey, palette, alpha, CMYK and 16-bit or float images included.
+
+    With `min_side`, a JPEG much larger than needed is decoded at 1/2, 1/4 or 1/8 scale (JPEG's own cheap
+    reduced decoding), keeping its shorter side at least `min_side`: a 4000x3000 phone photo validated at
+    224 px decodes 64 times fewer pixels. Smaller images, and other formats, are decoded in full.
+    """
+    with Image.open(path) as image:
+        draft(image, min_side)
+        image = ImageOps.exif_transpose(image)  # phone photos are often stored sideways with a rotation tag
+        if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+            # 16-bit and float pixels: scale to 0..255 instead of clipping everything above 255 to white.
+            pixels = np.asarray(image, dtype=np.float64)
+            peak = 65535.0 if image.mode != "F" or pixels.max() > 255 else 255.0
+            image = Image.fromarray(np.clip(np.rint(pixels * (255.0 / peak)), 0, 255).astype(np.uint8), mode="L")
+        elif "A" in image.mode or "transparency" in image.info:
+            image = image.convert("RGBA")
+        return image.convert("RGB")
+
+
+def draft(image: Image.Image, min_side: int | None) -> None:
+    """Have PIL decode a JPEG opened as `image` at 1/2, 1/4 or 1/8 scale where its shorter side stays at least
+    `min_side` (load_rgb). The image's size says the reduced size at once, before anything is decoded."""
+    if min_side is not None and min(image.size) > 2 * min_side:
+        scale = min_side / min(image.size)
+        image.draft("RGB", (math.ceil(image.width * scale), math.ceil(image.height * scale)))
+
+
+def decoded_size(path, min_side: int | None = None) -> tuple[int, int] | None:
+    """(height, width) of load_rgb(path, min_side)'s image, from the file's header alone (nothing is decoded):
+    the reduced JPEG scale, and the sides swapped by an EXIF rotation of a quarter turn. None if PIL cannot
+    open the file."""
+    try:
+        with Image.open(path) as image:
+            draft(image, min_side)
+            width, height = image.size
+            quarter_turn = image.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)
+    except Exception:  # PIL raises many types for a file that is not an image
+        return None
+    return (width, height) if quarter_turn else (height, width)

@@ -1,0 +1,69 @@
+"""The transform presets: random crop and flip (and, if asked, more augmentation) for training, resize and centre
+crop for validation, on 8-bit images; and the ImageNet normalisation the network takes them in, done on the
+device."""
+
+import math
+
+import torch
+from torchvision.transforms import v2
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+
+
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+MEAN_PIXEL = [round(255 * mean) for mean in IMAGENET_MEAN]  # the mean colour in 8 bits: what erasing fills with
+
+
+# Validation resizes to img_size * 256/224 (256 for 224) and takes the centre img_size, as for ImageNet.
+RESIZE_RATIO = 256 / 224
+
+
+AUTO_AUGMENT = {"trivialaugment": v2.TrivialAugmentWide, "randaugment": v2.RandAugment}  # --auto-augment's choices
+
+
+class Preset(v2.Compose):
+    """A transform, and the shortest image side it needs for its output to keep full resolution (`min_side`):
+    MyDataSet decodes large JPEGs at reduced scale down to that side, see load_rgb."""
+
+    def __init__(self, transforms: list, min_side: int):
+        super().__init__(transforms)
+        self.min_side = min_side
+
+
+def train_transform(img_size: int, auto_augment: str = "none", random_erase: float = 0.0) -> Preset:
+    """Random crop and flip, as for ImageNet training; then, if asked, TrivialAugmentWide or RandAugment (one or
+    two random changes of colour, contrast, geometry ... per image), and random erasing of a rectangle.
+
+    The image stays 8-bit throughout: cropping, resizing and flipping 8-bit pixels is cheaper than on PIL images
+    or floats (docs/performance.md, What each change bought), and the crop travels to the device in a quarter
+    of float32's bytes, to be normalised there (normalise, called by Compute.batch_to). Erasing fills with the
+    mean colour (MEAN_PIXEL), about 0 once normalised.
+    """
+    crop = v2.RandomResizedCrop(img_size, antialias=True)
+    # The smallest crop RandomResizedCrop takes (its smallest area fraction, at its most elongated aspect) spans
+    # sqrt(scale * aspect) of the image's shorter side, and should still hold img_size pixels.
+    narrowest = min(crop.ratio[0], 1 / crop.ratio[1])
+    min_side = math.ceil(img_size / math.sqrt(crop.scale[0] * narrowest))
+    augment = [AUTO_AUGMENT[auto_augment]()] if auto_augment != "none" else []
+    erase = [v2.RandomErasing(random_erase, value=MEAN_PIXEL)] if random_erase > 0 else []
+    steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip(), *augment, *erase]
+    return Preset(steps, min_side)
+
+
+def val_transform(img_size: int) -> Preset:
+    """Resize to img_size * RESIZE_RATIO and take the centre img_size, as for ImageNet validation (8-bit, as
+    train_transform's)."""
+    resize = round(img_size * RESIZE_RATIO)
+    return Preset([v2.ToImage(), v2.Resize(resize, antialias=True), v2.CenterCrop(img_size)], resize)
+
+
+def normalise(images: torch.Tensor) -> torch.Tensor:
+    """Images as the network takes them (one, or a batch; on any device): 8-bit ones, as the transforms above
+    leave them, become float32 from 0 to 1, less the ImageNet mean, over its standard deviation; any other type
+    is taken to be the network's input already (normalised by an earlier call) and returned as it is."""
+    if images.dtype != torch.uint8:
+        return images
+    pixels = v2.functional.to_dtype(images, torch.float32, scale=True)
+    return v2.functional.normalize(pixels, IMAGENET_MEAN, IMAGENET_STD)

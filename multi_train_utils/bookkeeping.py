@@ -1,0 +1,181 @@
+"""What train_one_epoch and evaluate keep track of besides the step itself: an epoch's sums over every process, one
+step behind; the unreadable-image budget; the non-finite and stop checks; the progress bar; where a resumed epoch
+continues; and evaluation's confusion matrix. The same for one process and for DDP."""
+
+import math
+import sys
+
+import torch
+from tqdm import tqdm
+
+from multi_train_utils.distributed_utils import all_reduce_in_background, is_main_process, reduce_value
+from multi_train_utils.stop_and_resume import StopRequested, agreed_signal, stop_votes
+from my_dataset import SKIPPED
+from utils import UserError
+
+
+class NonFiniteLossError(UserError):
+    """The loss became NaN or infinite (usually too high a learning rate, or bad data); raised on every rank at
+    the same step, so no rank is left waiting, and before the step, so the weights stay finite."""
+
+
+def progress_bar(batches, description: str, **options) -> tqdm:
+    """tqdm over `batches`, drawn by the main process alone."""
+    return tqdm(batches, desc=description, file=sys.stdout, disable=not is_main_process(), **options)
+
+
+class EpochSteps:
+    """An epoch's batches, as train_one_epoch takes them (`for step, (images, labels) in steps`), and their books.
+
+    `training` is a train_eval_utils.Training: its accumulation decides which micro-batches end an optimizer step
+    (`last_of_group`, `group_size`); its `midway`, where a resumed run continues an epoch it stopped in (taken, and
+    cleared, here). `check` adds a step's sums to the epoch's `totals` (sum of sample losses, images read, images
+    skipped) over every rank, one step behind (StepTotals): a non-finite loss, or more than `max_skipped` images
+    that could not be read (None: no limit), stops every rank at the same step; so does a stop signal, after the
+    optimizer step (`stop_if_asked`). `scaler` is the run's gradient scaler, or a disabled one.
+    """
+
+    def __init__(self, training, data_loader, device: torch.device, epoch: int, max_skipped=None):
+        self.training, self.data_loader, self.device, self.epoch = training, data_loader, device, epoch
+        self.max_skipped, self.first_lr = max_skipped, training.epoch_lr()
+        self.midway, training.midway = training.midway, None
+        self.totals = [0.0, 0.0, 0.0] if self.midway is None else self.midway.totals
+        self.scaler = training.scaler or torch.amp.GradScaler(device.type, enabled=False)
+        self.stopping, self.pending, self.progress = None, None, None
+
+    def __iter__(self):
+        start = 0 if self.midway is None else self.midway.step
+        if self.midway is not None:
+            self.midway.skip_trained_batches(self.data_loader)
+        self.progress = progress_bar(self.data_loader, f"[epoch {self.epoch}] train", initial=start)
+        batches = enumerate(self.progress, start=start)
+        if self.midway is not None:
+            self.midway.restore_random_state()
+        yield from batches
+
+    def last_of_group(self, step: int) -> bool:
+        """Whether micro-batch `step` is the last of its optimizer step (of the epoch's, the last one)."""
+        return (step + 1) % self.training.accumulate == 0 or step + 1 == len(self.data_loader)
+
+    def group_size(self, step: int) -> int:
+        """The micro-batches in the optimizer step that `step` belongs to: training.accumulate, or at the end of an
+        epoch, those that are left."""
+        accumulate, batches = self.training.accumulate, len(self.data_loader)
+        return min(accumulate, batches - step // accumulate * accumulate)
+
+    def check(self, step: int, loss_sum: torch.Tensor, read: int, images: int) -> None:
+        """Send this step's sums on their way (the loss summed over its `read` readable images of `images`, this
+        process's stop votes) and check the step before's, long arrived; before the epoch's last optimizer step,
+        or one that stops, check this step's too."""
+        sent = StepTotals(loss_sum, [read, images - read, *stop_votes()], self.device)
+        if self.pending is not None:  # the step before's sums, long arrived
+            self.stopping = check_step(self.pending.get(), self.totals, self.epoch, self.max_skipped) or self.stopping
+        self.pending = sent
+        last_step = step + 1 == len(self.data_loader)
+        if self.last_of_group(step) and (self.stopping is not None or last_step):  # all checked before it steps
+            self.stopping = check_step(self.pending.get(), self.totals, self.epoch, self.max_skipped) or self.stopping
+            self.pending = None
+        self.progress.set_postfix(mean_loss=f"{self.totals[0] / max(self.totals[1], 1):.3f}")  # as checked so far
+
+    def stop_if_asked(self, step: int) -> None:
+        """After the optimizer step that ends micro-batch `step`: StopRequested on every rank if a stop signal
+        reached any."""
+        if self.stopping is not None:
+            self.progress.close()
+            raise StopRequested(self.stopping, self.epoch, step + 1, self.totals, self.first_lr)
+
+    def result(self) -> tuple[float, int]:
+        """(mean loss over every sample of every rank, images trained on by all ranks)."""
+        total_loss, total_images, _ = self.totals
+        return total_loss / max(total_images, 1), int(total_images)
+
+
+def readable(labels: torch.Tensor) -> int:
+    """The images of a batch that could be read (not labelled SKIPPED), counted where the labels are."""
+    return int((labels != SKIPPED).sum())
+
+
+class StepTotals:
+    """A step's (sum of sample losses, images read, images skipped, stop votes), summed over the ranks on their
+    way to the host: the all-reduce and, on a GPU, the copy to pinned host memory are queued behind the step's
+    work, and `get` waits for them alone (a step later, when they have long arrived), never for the work queued
+    after them."""
+
+    def __init__(self, loss_sum: torch.Tensor, counts: list, device: torch.device):
+        counts = torch.tensor(counts, dtype=torch.float64).to(device, non_blocking=True)
+        self.values = torch.cat([loss_sum.detach().double().reshape(1), counts])
+        self.work = all_reduce_in_background(self.values)
+        self.ready = None
+        if device.type == "cuda":
+            if self.work is not None:
+                self.work.wait()  # on a GPU: the copy below waits for the all-reduce on the device, not the host
+            self.values = self.values.to("cpu", non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def get(self) -> list[float]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        elif self.work is not None:
+            self.work.wait()
+        return self.values.tolist()
+
+
+def check_step(step_totals: list[float], totals: list[float], epoch: int, max_skipped) -> int | None:
+    """Add a step's summed `step_totals` (StepTotals.get) to the epoch's `totals`; returns the stop signal the
+    ranks agreed on, if any. Stops every rank (all see the same sums) on a non-finite loss or once the skipped
+    images pass `max_skipped`."""
+    if not math.isfinite(step_totals[0]):
+        raise NonFiniteLossError(
+            f"non-finite loss at epoch {epoch}: stopped; lower --lr or check the data "
+            "(the last checkpoint is from before this epoch)"
+        )
+    for i in range(3):
+        totals[i] += step_totals[i]
+    if max_skipped is not None and totals[2] > max_skipped:
+        raise UserError(too_many_skipped(int(totals[2]), max_skipped, f"epoch {epoch}'s training images"))
+    return agreed_signal(step_totals[3:])
+
+
+class Tally:
+    """evaluate's counts: the confusion matrix (rows: true class, columns: predicted) of the images that could be
+    read (those labelled SKIPPED count neither as right nor as wrong), and with `topk` (k) the number whose true
+    class is among their k highest logits; on the device, summed over the ranks at the end."""
+
+    def __init__(self, num_classes: int, device: torch.device, topk: int | None = None):
+        self.num_classes, self.topk = num_classes, topk
+        self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
+        self.in_topk = torch.zeros((), dtype=torch.int64, device=device)
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        read = labels != SKIPPED
+        pairs = labels[read] * self.num_classes + logits.argmax(dim=1)[read]
+        counts = torch.bincount(pairs, minlength=self.num_classes**2)
+        self.confusion += counts.view(self.num_classes, self.num_classes)
+        if self.topk is not None:
+            self.in_topk += (logits[read].topk(self.topk, dim=1).indices == labels[read, None]).any(dim=1).sum()
+
+    def over_all_ranks(self, data_loader, max_skipped=None) -> torch.Tensor | tuple[torch.Tensor, int]:
+        """The confusion matrix summed over every rank (and the top-k count, with `topk`). Of the images of the
+        loader's dataset, those not in it could not be read: more than `max_skipped` (None: no limit) stop every
+        rank."""
+        confusion = reduce_value(self.confusion, average=False).cpu()
+        skipped = max_skipped is not None and len(data_loader.dataset) - int(confusion.sum())
+        if skipped and skipped > max_skipped:  # the same on every rank: the matrix is the sum over all of them
+            raise UserError(too_many_skipped(skipped, max_skipped, "the validation images"))
+        return confusion if self.topk is None else (confusion, int(reduce_value(self.in_topk, average=False)))
+
+
+def too_many_skipped(skipped: int, limit: int, of_what: str) -> str:
+    if limit == 0:
+        return f"an image of {of_what} could not be read (--strict-images): stopped; the warning above names it"
+    return (
+        f"{skipped} of {of_what} could not be read, more than the {limit} (1 %) a run skips: stopped; the "
+        "warnings above name them (the last checkpoint is from before this epoch)"
+    )
+
+
+def unreadable_limits(train_images: int, val_images: int, strict: bool) -> tuple[int, int]:
+    """How many of an epoch's training and validation images may be unreadable before the run stops: 1 % (at
+    least one), or none with --strict-images."""
+    return tuple(0 if strict else max(1, count // 100) for count in (train_images, val_images))

@@ -1,0 +1,71 @@
+"""The optimizer and its learning-rate schedule (a linear warmup, then a half cosine), and the weights' moving
+average (EMA): torch's own SGD, AdamW, LambdaLR and swa_utils.AveragedModel, combined so that every option means the
+same on one process and on eight."""
+
+import functools
+import math
+
+import torch
+from torch import nn
+from torch.optim import lr_scheduler
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+
+def build_optimizer(model, config, batches_per_epoch: int, world_size: int = 1):
+    """The optimizer over the trainable parameters, and its schedule, stepped after every optimizer step: a
+    linear warmup over --warmup-epochs, then a half cosine from the full rate down to rate * --lrf.
+
+    The full rate is --lr times the batches of --batch-size images a step averages over: `world_size` processes,
+    each summing --accumulate micro-batches (the linear scaling rule: a global batch that many times larger); an
+    epoch of `batches_per_epoch` micro-batches takes that many optimizer steps, the last with what is left.
+    `config` is a Config (lr, opt, momentum, weight_decay, epochs, lrf, warmup_epochs, accumulate, batch_size).
+    """
+    rate = learning_rate(config, world_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.opt == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=rate, weight_decay=config.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(params, lr=rate, momentum=config.momentum, weight_decay=config.weight_decay)
+    factor = functools.partial(
+        schedule_factor,
+        steps_per_epoch=math.ceil(batches_per_epoch / config.accumulate),
+        epochs=config.epochs,
+        warmup_epochs=config.warmup_epochs,
+        lrf=config.lrf,
+    )
+    return optimizer, lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def learning_rate(config, world_size: int = 1) -> float:
+    """The full rate: --lr times the batches a step averages over (`world_size` processes, --accumulate each)."""
+    return config.lr * world_size * config.accumulate
+
+
+def describe_learning_rate(config, world_size: int = 1) -> str:
+    """The line a run prints about its rate, e.g. "Learning rate 0.002 (--lr 0.001 x 1 process(es) x 2
+    micro-batch(es)) for a global batch of 16"."""
+    global_batch = config.batch_size * world_size * config.accumulate
+    return (
+        f"Learning rate {learning_rate(config, world_size):g} (--lr {config.lr:g} x {world_size} process(es) x "
+        f"{config.accumulate} micro-batch(es)) for a global batch of {global_batch}"
+    )
+
+
+def schedule_factor(step: int, *, steps_per_epoch: int, epochs: int, warmup_epochs: int, lrf: float) -> float:
+    """The learning rate at optimizer step `step` (counted from 0 over the run) as a share of the full rate.
+
+    Warmup: 1/W, 2/W, ..., 1 over its W steps. Then the cosine: 1 at the first step after warmup, falling to lrf
+    at the end of the last epoch; without warmup, each epoch starts at (1 + cos(pi * epoch / epochs)) / 2 of the
+    way from lrf to 1.
+    """
+    warmup = warmup_epochs * steps_per_epoch
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, epochs * steps_per_epoch - warmup)
+    return lrf + (1 - lrf) * (1 + math.cos(math.pi * min(progress, 1.0))) / 2
+
+
+def model_ema(model: nn.Module, decay: float) -> AveragedModel:
+    """An exponential moving average of `model`'s weights and buffers (BatchNorm's running statistics included):
+    after each optimizer step, average = decay * average + (1 - decay) * weights; the first step copies them."""
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)

@@ -1,0 +1,109 @@
+"""What a run prints and writes: its first lines (announce), and, from the start, args.json and class_indices.json,
+then each epoch's printed line, metrics.jsonl line (run/metrics.py), TensorBoard figures (run/tensorboard.py),
+weights and checkpoint (RunLog). In DDP rank 0 alone writes; every other rank's RunLog does nothing."""
+
+from pathlib import Path
+
+import torch
+
+from dataset.folders import split_fingerprint, write_class_indices
+from multi_train_utils.checkpoint import CHECKPOINT_NAME, save_epoch, training_state
+from multi_train_utils.distributed_utils import print_once
+from recipe.loss import describe_class_weights
+from recipe.optimizer import describe_learning_rate
+from recipe.precision import Compute, amp_flag
+from run.metrics import append_metrics, keep_metrics_before, skipped_note
+from run.tensorboard import Board
+from utils import OutputError, describe, write_failure, write_json
+
+
+def announce(config, plan, process, workers: int, decoded: str) -> None:
+    """The run's first lines: how many processes on what, the data (`decoded`: whether its images were decoded
+    once into memory, dataset/in_memory.py's line), the learning rate and the class weights."""
+    split = plan.split
+    backend = f", backend {torch.distributed.get_backend()}" if process.distributed else ""
+    print_once(f"{config.script}: {process.world_size} process(es) on {process.device.type}{backend}")
+    if process.device.type == "cpu" and not torch.cuda.is_available():
+        print_once("No CUDA GPU found: training on the CPU.")
+    if split.unreadable:
+        print_once(f"warning: skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
+    print_once(
+        f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
+        f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; {workers} loader workers per process"
+    )
+    print_once(decoded)
+    for line in (describe_learning_rate(config, process.world_size), describe_class_weights(config, split)):
+        if line is not None:
+            print_once(line)
+
+
+class RunLog:
+    """A run's log files and weights in `plan.output_dir`, opened for the epochs from `start_epoch` on (a resumed
+    run keeps the lines of the epochs before it and drops any later ones, which it trains again), and the best
+    validation accuracy so far (`best_acc`), which each epoch brings up to date. Disabled (on every rank but 0 in
+    DDP), it writes nothing."""
+
+    def __init__(self, config, plan, process, compute: Compute, preview_set, start_epoch, best_acc, enabled=True):
+        self.enabled, self.output_dir, self.classes = enabled, plan.output_dir, plan.split.classes
+        self.compute, self.world_size, self.save_every = compute, process.world_size, config.save_every
+        self.device, self.best_acc = process.device, best_acc
+        self.checkpoint = plan.output_dir / CHECKPOINT_NAME
+        # The run's record (args.json, and each checkpoint's "args"): its flags and what was decided from them.
+        self.record = config.record(
+            data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=plan.output_dir,
+            world_size=process.world_size, device=str(process.device), channels_last=compute.channels_last,
+            amp=amp_flag(compute),  # what auto chose, so that predict.py and evaluate.py compute as the run did
+            split=split_fingerprint(plan.split, plan.data_path),  # a resume checks it has the same images
+            **plan.given,  # the run's --batch-size and --lr as given, and for how many processes
+        )  # fmt: skip
+        if not enabled:
+            return
+        write_class_indices(self.classes, self.output_dir)
+        if start_epoch > 0:
+            keep_metrics_before(self.output_dir / "metrics.jsonl", start_epoch)
+        print(f'Output: {self.output_dir}  (TensorBoard: tensorboard --logdir "{self.output_dir / "tb"}")', flush=True)
+        write_json(self.output_dir / "args.json", self.record)
+        self.board = Board(self.output_dir / "tb", self.record, preview_set, start_epoch)
+
+    def training_state(self, epoch: int, model, training) -> dict:
+        """The checkpoint of this run after `epoch`: `model` (without its wrappers) and what `training` steps."""
+        return training_state(
+            epoch, model, training, self.best_acc, self.classes, self.world_size, self.record, self.device
+        )
+
+    def epoch(self, metrics: dict, model, training, best, best_acc: float) -> None:
+        """Everything an epoch leaves: its printed line, its log lines, its weights (and `best`'s, the model or
+        its average, when it improved on the best accuracy), then the checkpoint of `model` and `training`."""
+        epoch, self.best_acc = metrics["epoch"], best_acc
+        try:
+            self.log_epoch(metrics, best_acc, model)
+            keep = self.save_every > 0 and (epoch + 1) % self.save_every == 0
+            best_weights = best.state_dict() if best is not None else None
+            state = self.training_state(epoch, model, training)
+            save_epoch(self.output_dir, epoch, model.state_dict(), best_weights, state, keep=keep)
+        except OutputError as error:
+            last = self.checkpoint  # each finished epoch wrote one: the epoch before this one's
+            kept = f"{last} (epoch {epoch - 1}) is untouched" if last.exists() else "no checkpoint yet"
+            raise OutputError(f"{error}; stopped, {kept}: make room, then continue with --resume {last}") from None
+
+    def done(self, best_acc: float) -> None:
+        if self.enabled:
+            self.board.close()
+            print(f"Done: best val acc {best_acc:.3f}; weights in {self.output_dir / 'weights'}", flush=True)
+
+    def log_epoch(self, metrics: dict, best_acc: float, model) -> None:
+        """Print the epoch's line, add its scalars and prediction preview to TensorBoard, its line to metrics.jsonl."""
+        if not self.enabled:
+            return
+        epoch = metrics["epoch"]
+        print(
+            f"[epoch {epoch}] train loss {metrics['train_loss']:.3f}  val acc {metrics['val_acc']:.3f} "
+            f"({metrics['val_correct']}/{metrics['val_total']})  lr {metrics['lr']:.2e}  "
+            f"{metrics['epoch_seconds']:.1f} s, {metrics['train_images_per_sec']:.1f} img/s" + skipped_note(metrics),
+            flush=True,
+        )
+        try:
+            self.board.epoch(metrics, best_acc, model, self.classes, self.compute)
+            append_metrics(self.output_dir / "metrics.jsonl", metrics)
+        except OSError as error:  # TensorBoard's writer: a full disk, a vanished folder, ...
+            raise OutputError(write_failure(Path(error.filename or self.output_dir), error)) from None
