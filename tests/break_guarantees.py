@@ -16,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EQ, TR, DI = "tests/test_equivalence.py::", "tests/test_training.py::", "tests/test_distributed.py::"
+WI = "tests/test_wiring.py::"
 STEP_TEST = EQ + "test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch"
 SHARD_TEST = EQ + "test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch"
 
@@ -62,6 +63,19 @@ BREAKS = [
      "confusion = reduce_value(self.confusion, average=False).cpu()",
      "confusion, max_skipped = self.confusion.cpu(), None",  # (else the unreadable-image limit stops the run first)
      TR + "test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights"),
+    # Copies that must not drift (tests/test_wiring.py)
+    ("9a launch script's loaders, not the tests'", LAUNCH, '    loading["pin_memory"] = device.type == "cuda"',
+     '    loading["pin_memory"] = True', WI + "test_a_copied_block_is_statement_for_statement_in_its_scripts_train"),
+    ("9b single script's loader, not the benchmark's", "train_single_gpu.py",
+     "shuffled_batches(train_set, config.batch_size, config.seed)",
+     "shuffled_batches(train_set, config.batch_size, config.seed + 1)",
+     WI + "test_a_copied_block_is_statement_for_statement_in_its_scripts_train"),
+    ("9c the DDP scripts train apart", SPAWN_SCRIPT, "trained = torch.compile(trained) if config.compile else trained",
+     "trained = torch.compile(trained, dynamic=False) if config.compile else trained",
+     WI + "test_the_two_ddp_scripts_train_alike"),
+    ("9d a DDP change that does not say so", LAUNCH, "# DDP: rank 0 alone writes the run's files",
+     "# Rank 0 alone writes the run's files",
+     WI + "test_every_line_the_launch_script_changes_says_which_ddp_concept_it_is"),
 ]  # fmt: skip
 
 
