@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EQ, TR, DI = "tests/test_equivalence.py::", "tests/test_training.py::", "tests/test_distributed.py::"
-WI = "tests/test_wiring.py::"
+WI, WO = "tests/test_wiring.py::", "tests/test_words.py::"
 STEP_TEST = EQ + "test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch"
 SHARD_TEST = EQ + "test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch"
 
@@ -63,7 +63,7 @@ BREAKS = [
      "confusion = reduce_value(self.confusion, average=False).cpu()",
      "confusion, max_skipped = self.confusion.cpu(), None",  # (else the unreadable-image limit stops the run first)
      TR + "test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights"),
-    # Copies that must not drift (tests/test_wiring.py)
+    # Copies that must not drift, and words that must stay true (tests/test_wiring.py, tests/test_words.py)
     ("9a launch script's loaders, not the tests'", LAUNCH, '    loading["pin_memory"] = device.type == "cuda"',
      '    loading["pin_memory"] = True', WI + "test_a_copied_block_is_statement_for_statement_in_its_scripts_train"),
     ("9b single script's loader, not the benchmark's", "train_single_gpu.py",
@@ -76,6 +76,8 @@ BREAKS = [
     ("9d a DDP change that does not say so", LAUNCH, "# DDP: rank 0 alone writes the run's files",
      "# Rank 0 alone writes the run's files",
      WI + "test_every_line_the_launch_script_changes_says_which_ddp_concept_it_is"),
+    ("9e the README names a function gone", "README.md", "`shuffled_batches(", "`shuffle_batches(",
+     WO + "test_every_file_test_function_and_flag_a_page_names_exists"),
 ]  # fmt: skip
 
 
