@@ -48,8 +48,10 @@ class Midway:
         data_loader.batch_sampler.start_at(self.step)
 
     def restore_random_state(self) -> None:
-        """The random generators as they were after this step: called once the loader has started, which draws a
-        seed from torch's generator as it starts, as the uninterrupted run's loader did before this step."""
+        """The random generators as they were after this step, put back as the epoch's batches begin. The loader
+        then draws its seed from torch's generator as it starts, which the uninterrupted run's loader did at the
+        epoch's start, before this step: so the training process's generator continues one draw apart, which a
+        network that draws random numbers as it trains (dropout) would see."""
         set_rng_states(self.rng)
 
 
