@@ -29,8 +29,21 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9](?![\w-])")
 
 @cache
 def tracked(suffix: str) -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
-    return [ROOT / name for name in listed.stdout.split() if name.endswith(suffix) and not name.startswith(".venv")]
+    """The project's files ending in `suffix`: those git lists, or, outside a git checkout (an unpacked archive),
+    every such file but in hidden folders and the ones runs write (runs/, data/)."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:  # no git on this machine
+        listed = None
+    if listed is not None and listed.returncode == 0:
+        names = listed.stdout.split()
+    else:
+        paths = [path.relative_to(ROOT) for path in ROOT.rglob(f"*{suffix}")]
+        names = [path.as_posix() for path in paths if not any(part.startswith(".") for part in path.parts)]
+        names = [name for name in names if name.split("/")[0] not in ("runs", "data")]
+    return [ROOT / name for name in names if name.endswith(suffix) and not name.startswith(".venv")]
 
 
 @cache
