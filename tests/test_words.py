@@ -2,9 +2,11 @@
 exists. A name that outlives its code misleads the reader who follows it."""
 
 import ast
+import importlib
 import io
 import re
 import subprocess
+import sys
 import tokenize
 from functools import cache
 from pathlib import Path
@@ -107,9 +109,11 @@ def file_exists(name: str, near: Path = ROOT) -> bool:
     return "/" not in name and any(path.name == name for path in tracked(name))
 
 
-def resolves_in_torch(dotted: str) -> bool:
-    import importlib
+LIBRARIES = {"torch", "torchvision", *sys.stdlib_module_names}
 
+
+def resolves(dotted: str) -> bool:
+    """Whether `dotted` names a module, or an attribute of one, that imports here."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -134,9 +138,10 @@ def missing_in_span(span: str) -> list[str]:
     if name and ("_" in name[1] or "." in name[1] or name[2]) and not re.search(r"\.(md|json|jsonl|pth|png)$", name[1]):
         missing += qualified_missing(name[1], ROOT_MODULES)
         parts = name[1].split(".")
-        known = all(part in code_words() for part in parts) or parts[0] in ("torch", "torchvision")
-        if not (known and (parts[0] not in ("torch", "torchvision") or resolves_in_torch(name[1]))):
-            missing += [] if name[1] in EXTERNAL_NAMES else [name[1]]
+        if parts[0] in LIBRARIES and "." in name[1]:  # torch's, or Python's own: it must resolve
+            missing += [] if resolves(name[1]) else [name[1]]
+        elif not all(part in code_words() for part in parts) and name[1] not in EXTERNAL_NAMES:
+            missing.append(name[1])
     words = span.split()
     scripts = [at for at, word in enumerate(words) if word.endswith(".py")]
     ours = words[scripts[-1] + 1 :] if scripts else words if span.startswith("--") else []
