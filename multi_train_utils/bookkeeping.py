@@ -69,13 +69,17 @@ class EpochSteps:
         or one that stops, check this step's too."""
         sent = StepTotals(loss_sum, [read, images - read, *stop_votes()], self.device)
         if self.pending is not None:  # the step before's sums, long arrived
-            self.stopping = check_step(self.pending.get(), self.totals, self.epoch, self.max_skipped) or self.stopping
+            self.add(self.pending)
         self.pending = sent
         last_step = step + 1 == len(self.data_loader)
         if self.last_of_group(step) and (self.stopping is not None or last_step):  # all checked before it steps
-            self.stopping = check_step(self.pending.get(), self.totals, self.epoch, self.max_skipped) or self.stopping
+            self.add(self.pending)
             self.pending = None
         self.progress.set_postfix(mean_loss=f"{self.totals[0] / max(self.totals[1], 1):.3f}")  # as checked so far
+
+    def add(self, step_totals: "StepTotals") -> None:
+        """Add a step's sums to the epoch's, checked (check_step), and keep the stop signal any rank received."""
+        self.stopping = check_step(step_totals.get(), self.totals, self.epoch, self.max_skipped) or self.stopping
 
     def stop_if_asked(self, step: int) -> None:
         """After the optimizer step that ends micro-batch `step`: StopRequested on every rank if a stop signal
