@@ -87,7 +87,7 @@ def train(config, plan, process) -> dict:
         seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
     )  # fmt: skip
     if config.sync_bn and not config.freeze_layers:  # (frozen layers: synchronised statistics would buy nothing)
-        model = convert_sync_batchnorm(model, device)  # DDP: BatchNorm statistics over the global batch
+        model = convert_sync_batchnorm(model)  # DDP: BatchNorm statistics over the global batch
     # DDP: the wrapper all-reduces the gradients during backward, so every process takes the same step
     trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     trained = torch.compile(trained) if config.compile else trained
@@ -95,8 +95,9 @@ def train(config, plan, process) -> dict:
     # The recipe. DDP: a step averages world_size batches, so the learning rate is world_size times --lr
     optimizer, scheduler = build_optimizer(trained, config, len(train_loader), world_size=process.world_size)
     training = Training(
-        trained, optimizer, scheduler, compute, compute.grad_scaler(device), build_objective(config, plan.split),
-        ema=model_ema(model, config.ema_decay) if config.model_ema else None, accumulate=config.accumulate,
+        trained, optimizer, scheduler, compute, compute.grad_scaler(device),
+        objective=build_objective(config, plan.split, device), accumulate=config.accumulate,
+        ema=model_ema(model, config.ema_decay) if config.model_ema else None,
     )  # fmt: skip
     start_epoch, best_acc = resume_from(plan.resume, model, training, config.epochs)
 

@@ -66,8 +66,9 @@ def train(config, plan, process) -> dict:
     # The recipe
     optimizer, scheduler = build_optimizer(trained, config, len(train_loader))
     training = Training(
-        trained, optimizer, scheduler, compute, compute.grad_scaler(device), build_objective(config, plan.split),
-        ema=model_ema(model, config.ema_decay) if config.model_ema else None, accumulate=config.accumulate,
+        trained, optimizer, scheduler, compute, compute.grad_scaler(device),
+        objective=build_objective(config, plan.split, device), accumulate=config.accumulate,
+        ema=model_ema(model, config.ema_decay) if config.model_ema else None,
     )  # fmt: skip
     start_epoch, best_acc = resume_from(plan.resume, model, training, config.epochs)
 

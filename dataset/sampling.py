@@ -61,4 +61,16 @@ class SeededBatchSampler(Sampler):
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """A 63-bit seed for one sample of one epoch; distinct (seed, epoch, index) give unrelated streams."""
-    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    return seed_of(seed, epoch, index)
+
+
+def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
+    """A 63-bit seed for what training step `step` of `epoch` draws on process `rank` (dropout's masks, ...),
+    unrelated to every sample's (its key ends in 1: a sample's is as if padded with zeros)."""
+    return seed_of(seed, epoch, step, rank, 1)
+
+
+def seed_of(*key: int) -> int:
+    """A 63-bit seed of its own for each `key`: keys that differ other than by trailing zeros give unrelated
+    streams (numpy's SeedSequence pads a shorter key with zeros)."""
+    return int(np.random.SeedSequence(list(key)).generate_state(1, dtype=np.uint64)[0] >> 1)

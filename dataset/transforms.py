@@ -2,6 +2,7 @@
 crop for validation, on 8-bit images; and the ImageNet normalisation the network takes them in, done on the
 device."""
 
+import functools
 import math
 
 import torch
@@ -62,8 +63,20 @@ def val_transform(img_size: int) -> Preset:
 def normalise(images: torch.Tensor) -> torch.Tensor:
     """Images as the network takes them (one, or a batch; on any device): 8-bit ones, as the transforms above
     leave them, become float32 from 0 to 1, less the ImageNet mean, over its standard deviation; any other type
-    is taken to be the network's input already (normalised by an earlier call) and returned as it is."""
+    is taken to be the network's input already (normalised by an earlier call) and returned as it is.
+
+    One fused pass, pixel * scale + shift per channel, in the images' memory layout; the two per-channel
+    constants are made on each device once (normalising_constants), not copied there with every batch: such a
+    copy would make the host wait for the device each step."""
     if images.dtype != torch.uint8:
         return images
-    pixels = v2.functional.to_dtype(images, torch.float32, scale=True)
-    return v2.functional.normalize(pixels, IMAGENET_MEAN, IMAGENET_STD)
+    scale, shift = normalising_constants(images.device)
+    return torch.addcmul(shift, images, scale)
+
+
+@functools.cache
+def normalising_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift), each of shape (3, 1, 1) on `device`: (pixel / 255 - mean) / std as pixel * scale + shift."""
+    scale = [1 / (255 * std) for std in IMAGENET_STD]
+    shift = [-mean / std for mean, std in zip(IMAGENET_MEAN, IMAGENET_STD, strict=True)]
+    return torch.tensor(scale, device=device).view(3, 1, 1), torch.tensor(shift, device=device).view(3, 1, 1)

@@ -8,7 +8,8 @@ import sys
 import torch
 from tqdm import tqdm
 
-from multi_train_utils.distributed_utils import all_reduce_in_background, is_main_process, reduce_value
+from dataset.sampling import step_seed
+from multi_train_utils.distributed_utils import all_reduce_in_background, get_rank, is_main_process, reduce_value
 from multi_train_utils.stop_and_resume import StopRequested, agreed_signal, stop_votes
 from my_dataset import SKIPPED
 from utils import UserError
@@ -16,7 +17,9 @@ from utils import UserError
 
 class NonFiniteLossError(UserError):
     """The loss became NaN or infinite (usually too high a learning rate, or bad data); raised on every rank at
-    the same step, so no rank is left waiting, and before the step, so the weights stay finite."""
+    the same step, so no rank is left waiting. It is seen one step late (the sums travel while the next step
+    computes), so the weights in memory may have taken the bad step; the run stops before saving anything more, so
+    the checkpoint and weights files keep the last epoch's finite weights."""
 
 
 def progress_bar(batches, description: str, **options) -> tqdm:
@@ -48,10 +51,21 @@ class EpochSteps:
         if self.midway is not None:
             self.midway.skip_trained_batches(self.data_loader)
         self.progress = progress_bar(self.data_loader, f"[epoch {self.epoch}] train", initial=start)
-        batches = enumerate(self.progress, start=start)
-        if self.midway is not None:
-            self.midway.restore_random_state()
-        yield from batches
+        for step, batch in enumerate(self.progress, start=start):
+            self.seed_random_draws(step)
+            yield step, batch
+
+    def seed_random_draws(self, step: int) -> None:
+        """Seed what the step draws from (dropout's and stochastic depth's masks, on the CPU's generator and on
+        the device's) with a seed of its own: a function of the run's seed, the epoch, the step and this process's
+        rank. So a resumed run draws, step for step, what the uninterrupted run drew, on any number of loader
+        workers and whatever came before, and no two ranks draw the same masks."""
+        seed = step_seed(self.training.objective.seed, self.epoch, step, get_rank())
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)  # the current device's: this process's (set_device)
+        elif self.device.type == "mps":
+            torch.mps.manual_seed(seed)
 
     def last_of_group(self, step: int) -> bool:
         """Whether micro-batch `step` is the last of its optimizer step (of the epoch's, the last one)."""
@@ -75,7 +89,8 @@ class EpochSteps:
         if self.last_of_group(step) and (self.stopping is not None or last_step):  # all checked before it steps
             self.add(self.pending)
             self.pending = None
-        self.progress.set_postfix(mean_loss=f"{self.totals[0] / max(self.totals[1], 1):.3f}")  # as checked so far
+        # the mean as checked so far; drawn when the bar next redraws (tqdm's pace, not every step)
+        self.progress.set_postfix(mean_loss=f"{self.totals[0] / max(self.totals[1], 1):.3f}", refresh=False)
 
     def add(self, step_totals: "StepTotals") -> None:
         """Add a step's sums to the epoch's, checked (check_step), and keep the stop signal any rank received."""
@@ -95,8 +110,9 @@ class EpochSteps:
 
 
 def readable(labels: torch.Tensor) -> int:
-    """The images of a batch that could be read (not labelled SKIPPED), counted where the labels are."""
-    return int((labels != SKIPPED).sum())
+    """The images of a batch that could be read (not labelled SKIPPED), counted on the host, in the labels as the
+    loader left them (before they go to the device: counting them there would make the host wait for it)."""
+    return sum(label != SKIPPED for label in labels.tolist())
 
 
 class StepTotals:
@@ -115,7 +131,7 @@ class StepTotals:
                 self.work.wait()  # on a GPU: the copy below waits for the all-reduce on the device, not the host
             self.values = self.values.to("cpu", non_blocking=True)
             self.ready = torch.cuda.Event()
-            self.ready.record()
+            self.ready.record(torch.cuda.current_stream(device))  # the stream of the step's device, whichever it is
 
     def get(self) -> list[float]:
         if self.ready is not None:
@@ -152,22 +168,27 @@ class Tally:
         self.in_topk = torch.zeros((), dtype=torch.int64, device=device)
 
     def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        read = labels != SKIPPED
-        pairs = labels[read] * self.num_classes + logits.argmax(dim=1)[read]
-        counts = torch.bincount(pairs, minlength=self.num_classes**2)
-        self.confusion += counts.view(self.num_classes, self.num_classes)
+        """Count a batch, on the device and without selecting the readable images: selecting (a boolean mask) or
+        counting with bincount sizes a tensor by values the host would have to wait for; each image adds 1, or 0
+        when skipped, at its (true, predicted) cell."""
+        read = (labels != SKIPPED).long()
+        cells = labels.clamp(min=0) * self.num_classes + logits.argmax(dim=1)
+        self.confusion.view(-1).index_add_(0, cells, read)
         if self.topk is not None:
-            self.in_topk += (logits[read].topk(self.topk, dim=1).indices == labels[read, None]).any(dim=1).sum()
+            in_topk = (logits.topk(self.topk, dim=1).indices == labels[:, None]).any(dim=1)
+            self.in_topk += (in_topk.long() * read).sum()
 
     def over_all_ranks(self, data_loader, max_skipped=None) -> torch.Tensor | tuple[torch.Tensor, int]:
         """The confusion matrix summed over every rank (and the top-k count, with `topk`). Of the images of the
         loader's dataset, those not in it could not be read: more than `max_skipped` (None: no limit) stop every
-        rank."""
-        confusion = reduce_value(self.confusion, average=False).cpu()
+        rank. The counts travel together: one all-reduce, one copy to the host, once an epoch."""
+        counts = torch.cat([self.confusion.view(-1), self.in_topk.view(1)])
+        counts = reduce_value(counts, average=False).cpu()
+        confusion, in_topk = counts[:-1].view(self.num_classes, self.num_classes), int(counts[-1])
         skipped = max_skipped is not None and len(data_loader.dataset) - int(confusion.sum())
         if skipped and skipped > max_skipped:  # the same on every rank: the matrix is the sum over all of them
             raise UserError(too_many_skipped(skipped, max_skipped, "the validation images"))
-        return confusion if self.topk is None else (confusion, int(reduce_value(self.in_topk, average=False)))
+        return confusion if self.topk is None else (confusion, in_topk)
 
 
 def too_many_skipped(skipped: int, limit: int, of_what: str) -> str:

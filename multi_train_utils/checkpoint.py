@@ -12,7 +12,7 @@ import torch
 from utils import UserError, safe_load, write_atomically
 
 CHECKPOINT_NAME = "checkpoint.pth"
-CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args", "rng"}
+CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args"}
 
 
 def save_atomically(obj, path) -> None:
@@ -30,15 +30,14 @@ def tensor_bytes(obj) -> int:
     return sum(tensor_bytes(item) for item in obj) if isinstance(obj, list | tuple) else 0
 
 
-def training_state(epoch, model, training, best_acc, classes, world_size, record: dict, device) -> dict:
+def training_state(epoch, model, training, best_acc, classes, world_size, record: dict) -> dict:
     """Everything needed to continue after `epoch`, as tensors and plain data: `model` (the network without its
-    DDP or compilation wrapper), what `training` (a train_eval_utils.Training) steps and averages, the states of
-    the random generators a run on `device` draws from, and `record`, the run's configuration as in args.json."""
-    rng = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    elif device.type == "mps":  # a Mac's GPU has a generator of its own (dropout there draws from it)
-        rng["mps"] = torch.mps.get_rng_state()
+    DDP or compilation wrapper), what `training` (a train_eval_utils.Training) steps and averages, and `record`,
+    the run's configuration as in args.json.
+
+    No random generator's state: each training step draws from a seed of its own (EpochSteps.seed_random_draws),
+    so a resumed run needs none, on any number of devices. (Checkpoints of earlier versions hold one, "rng": it
+    is not read.)"""
     return {
         "epoch": epoch,
         "model": model.state_dict(),
@@ -50,7 +49,6 @@ def training_state(epoch, model, training, best_acc, classes, world_size, record
         "classes": list(classes),
         "world_size": world_size,
         "args": record,
-        "rng": rng,
     }
 
 
@@ -63,27 +61,20 @@ def load_checkpoint(path) -> dict:
 
 
 def restore(state: dict, model, training) -> tuple[int, float]:
-    """Put a checkpoint's state back into the model, what `training` steps, and the random generators; returns
-    (the first epoch to train, the best validation accuracy so far). Where in that epoch a run stopped at a step
-    continues is stop_and_resume's (Midway)."""
+    """Put a checkpoint's state back into the model and what `training` steps; returns (the first epoch to train,
+    the best validation accuracy so far). Where in that epoch a run stopped at a step continues is
+    stop_and_resume's (Midway).
+
+    A checkpoint saved without float16's gradient scaler (bfloat16 or float32: its scaler was off, its state
+    empty) resumes with one just as well: the scaler starts afresh."""
     model.load_state_dict(state["model"])
     training.optimizer.load_state_dict(state["optimizer"])
     training.scheduler.load_state_dict(state["scheduler"])
-    if state.get("scaler") is not None:
+    if state.get("scaler") and training.scaler is not None:  # {}: saved with the scaler off
         training.scaler.load_state_dict(state["scaler"])
     if training.ema is not None:
         training.ema.load_state_dict(state["ema"])
-    set_rng_states(state["rng"])
     return state["epoch"] + 1, state["best_acc"]
-
-
-def set_rng_states(rng: dict) -> None:
-    """Put back the random generators' states a checkpoint holds (training_state's "rng")."""
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    if "mps" in rng and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(rng["mps"])
 
 
 def save_epoch(output_dir: Path, epoch: int, weights: dict, best: dict | None, state: dict, keep: bool = False) -> None:

@@ -82,7 +82,21 @@ class Process:
 
 def single_process(device: str | None = None) -> Process:
     """Rank 0 of a world of one, no process group, on `device` (default: a GPU when there is one, else the CPU)."""
-    return Process(device=resolve_device(device))
+    process = Process(device=resolve_device(device))
+    use_device(process.device)
+    return process
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` this process's. A GPU becomes the current one: the streams, events and random generator
+    torch uses by default are then this GPU's, not GPU 0's (with --device cuda:1, the step's copies to the host
+    are waited for on the stream that makes them), and no context is made on GPU 0. cuDNN then times its
+    convolution algorithms for each new input shape once and keeps the fastest, as torchvision's reference
+    scripts and timm do (benchmark mode: the training batches all have one shape, drop_last, and validation's
+    one more at most)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
 
 
 def init_distributed_mode(
@@ -114,8 +128,7 @@ def init_distributed_mode(
             print(MPS_IN_DDP, flush=True)
         process_device = torch.device("cpu")
     process = Process(**found, device=process_device, distributed=True)
-    if process.device.type == "cuda":
-        torch.cuda.set_device(process.device)
+    use_device(process.device)
     backend = choose_backend(backend, process.device)
     timeout = timedelta(seconds=timeout_s)
     store = restart_safe_store(dist_url, process, timeout)

@@ -9,7 +9,8 @@ process's note (`stop_votes`) over the processes with the step's loss, so every 
 step whichever one received it, and the first optimizer step from there is the last (`StopRequested`). Rank 0
 saves that step (`saving_a_step_on_stop`) while the others wait. A second signal while it is being saved changes
 nothing: the note is taken, and the checkpoint is written atomically. The resumed run's train_one_epoch skips the
-batches trained already and puts the random generators back as they were after that step (`Midway`).
+batches trained already (`Midway`); each step draws from a seed of its own (EpochSteps.seed_random_draws), so the
+steps it trains draw what they would have drawn.
 """
 
 import contextlib
@@ -17,7 +18,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from multi_train_utils.checkpoint import load_checkpoint, restore, save_atomically, set_rng_states
+from multi_train_utils.checkpoint import load_checkpoint, restore, save_atomically
 from multi_train_utils.distributed_utils import on_main_process, print_once
 from utils import OutputError
 
@@ -28,31 +29,23 @@ noted: list[int] = []  # the stop signals this process received while they were 
 @dataclass
 class Midway:
     """Where a run stopped at a step left its epoch: the batches trained, the epoch's sums so far (train_one_epoch's
-    totals), the random generators' states after that step and the epoch's first learning rate (the one its
-    metrics report), as its checkpoint holds them; the resumed run's train_one_epoch continues from there."""
+    totals) and the epoch's first learning rate (the one its metrics report), as its checkpoint holds them; the
+    resumed run's train_one_epoch continues from there."""
 
     step: int
     totals: list[float]
-    rng: dict
     lr: float
 
     @classmethod
     def of(cls, state: dict) -> "Midway | None":
         """Where the run whose checkpoint `state` is stopped in its epoch; None if it stopped at an epoch's end."""
         midway = state.get("midway")
-        return None if midway is None else cls(midway["step"], midway["totals"], state["rng"], midway["lr"])
+        return None if midway is None else cls(midway["step"], midway["totals"], midway["lr"])
 
     def skip_trained_batches(self, data_loader) -> None:
         """The loader's next pass starts at this step (its batch sampler must be a SeededBatchSampler, as
         shuffled_batches makes)."""
         data_loader.batch_sampler.start_at(self.step)
-
-    def restore_random_state(self) -> None:
-        """The random generators as they were after this step, put back as the epoch's batches begin. The loader
-        then draws its seed from torch's generator as it starts, which the uninterrupted run's loader did at the
-        epoch's start, before this step: so the training process's generator continues one draw apart, which a
-        network that draws random numbers as it trains (dropout) would see."""
-        set_rng_states(self.rng)
 
 
 class StopRequested(Exception):

@@ -1,11 +1,17 @@
-"""SyncBatchNorm for every device: torch's own on CUDA, an equivalent for the CPU (gloo).
+"""SyncBatchNorm for every device: BatchNorm whose statistics cover the global batch, the CPU's and the GPU's alike.
 
-torch.nn.SyncBatchNorm runs only on GPUs, and the kernels it is built from (batch_norm_stats, batch_norm_elemt,
-...) exist only there. The CPU version here computes the same thing from torch's fused CPU BatchNorm kernels,
-with one small all-reduce per layer in each direction: the forward pass combines every process's per-channel
-mean and variance into the global batch's, and the backward pass combines the two per-channel gradient sums
-that BatchNorm's gradient needs. DDP on N processes then computes what one process computes on all the images.
+torch's nn.SyncBatchNorm is not used, for two reasons. It runs only on GPUs: the kernels it is built from
+(batch_norm_stats, batch_norm_elemt, ...) exist only there. And on a GPU it makes the host wait for the device in
+every BatchNorm layer of every step (36 times a ResNet-34 step): it drops the statistics of processes with an empty
+batch by a boolean mask (`count_all[mask]` in torch.nn.modules._functions.SyncBatchNorm), a tensor whose size only
+the device knows. The version here computes the same thing from torch's fused BatchNorm kernels, which exist on
+every device, with one small all-reduce per layer in each direction and nothing read on the host: the forward pass
+combines every process's per-channel mean and variance into the global batch's, and the backward pass combines the
+two per-channel gradient sums that BatchNorm's gradient needs. DDP on N processes then computes what one process
+computes on all the images (tests/test_host_syncs.py counts the waits; test_distributed.py checks the sums).
 """
+
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -13,8 +19,9 @@ from torch import nn
 
 
 @torch.no_grad()
-def global_batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per-channel mean and (biased) variance of `x` over every process's batch, and the number of values.
+def global_batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel mean and (biased) variance of `x` over every process's batch, and the number of values (a
+    tensor on x's device: read on the host, it would make the host wait for the all-reduce).
 
     Each process measures its own batch in one fused pass; the moments are combined in float64, which is exact
     enough that a split batch gives the statistics of the whole one (to float rounding).
@@ -26,9 +33,10 @@ def global_batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int
     mean, var = torch.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
     count = x.numel() // channels
     mean, var = mean.double(), var.double()
-    moments = torch.cat([mean * count, (var + mean * mean) * count, mean.new_tensor([count])])
+    count = torch.full((1,), count, dtype=torch.float64, device=x.device)  # filled there, not copied from the host
+    moments = torch.cat([mean * count, (var + mean * mean) * count, count])
     dist.all_reduce(moments)
-    total = int(moments[-1].item())
+    total = moments[-1]
     mean = moments[:channels] / total
     var = (moments[channels : 2 * channels] / total - mean * mean).clamp_(min=0)
     return mean.to(stats_dtype), var.to(stats_dtype), total
@@ -44,14 +52,14 @@ class _GlobalBatchNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, var, eps: float, total: int):
-        ctx.save_for_backward(x, weight, mean, var)
-        ctx.eps, ctx.total = eps, total
+    def forward(ctx, x, weight, bias, mean, var, eps: float, total: torch.Tensor):
+        ctx.save_for_backward(x, weight, mean, var, total)
+        ctx.eps = eps
         return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, mean, var = ctx.saved_tensors
+        x, weight, mean, var, total = ctx.saved_tensors
         # This process's sum(dy * x_hat) and sum(dy), per channel, in one fused pass.
         _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
             grad_out, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
@@ -59,7 +67,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         sums = torch.cat([sum_dy, sum_dy_xhat])
         dist.all_reduce(sums)
         channels = mean.numel()
-        mean_dy, mean_dy_xhat = sums[:channels] / ctx.total, sums[channels:] / ctx.total
+        mean_dy, mean_dy_xhat = sums[:channels] / total, sums[channels:] / total
         invstd = torch.rsqrt(var + ctx.eps)
         scale = invstd if weight is None else weight * invstd
         # dx = scale * dy + slope * x + offset, per channel: two fused passes over the activations.
@@ -72,7 +80,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         return grad_in.to(x.dtype), grad_weight, grad_bias, None, None, None, None
 
 
-class CPUSyncBatchNorm(nn.BatchNorm2d):
+class SyncBatchNorm2d(nn.BatchNorm2d):
     """BatchNorm2d whose training statistics cover the whole global batch; same parameters and buffers."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,25 +90,24 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                # momentum None: the cumulative average, 1 / batches so far (kept on the device)
+                momentum = 1.0 / self.num_batches_tracked if self.momentum is None else self.momentum
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
                 self.running_var.lerp_((var * total / (total - 1)).to(self.running_var.dtype), momentum)
         return _GlobalBatchNorm.apply(x, self.weight, self.bias, mean, var, self.eps, total)
 
 
-def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
-    """Replace every BatchNorm2d with a synchronised one: torch's on CUDA, CPUSyncBatchNorm on the CPU."""
-    if device.type != "cpu":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+def convert_sync_batchnorm(model: nn.Module) -> nn.Module:
+    """Replace every BatchNorm2d with a synchronised one (SyncBatchNorm2d), its weights and statistics kept."""
     for name, child in model.named_children():
         if type(child) is nn.BatchNorm2d:
-            synced = CPUSyncBatchNorm(
-                child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats
+            synced = SyncBatchNorm2d(
+                child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats, device="meta"
             )
-            synced.load_state_dict(child.state_dict())
+            for tensor_name, tensor in itertools.chain(child.named_parameters(), child.named_buffers()):
+                setattr(synced, tensor_name, tensor)  # the very tensors: their values, device and requires_grad
             synced.train(child.training)
-            synced.requires_grad_(any(p.requires_grad for p in child.parameters()))
             setattr(model, name, synced)
         else:
-            convert_sync_batchnorm(child, device)
+            convert_sync_batchnorm(child)
     return model

@@ -117,7 +117,7 @@ def evaluate(
     for images, labels in progress_bar(data_loader, "validate", leave=False):
         with compute.autocast(device):
             logits = model(compute.batch_to(images, device))
-        tally.add(logits, labels.to(device))
+        tally.add(logits, labels.to(device, non_blocking=device.type == "cuda"))
     return tally.over_all_ranks(data_loader, max_skipped)
 
 

@@ -67,11 +67,14 @@ class Objective:
             return self.mixer(images, torch.eye(len(images), device=images.device))
 
     def targets(self, labels: torch.Tensor, num_classes: int, mixing=None, dtype=torch.float32) -> torch.Tensor:
-        """Smoothed one-hot targets (batch x classes), mixed by `mixing`; rows of skipped images are zero."""
-        one_hot = F.one_hot(labels.clamp(min=0), num_classes).to(dtype)
-        smoothed = (one_hot * (1 - self.label_smoothing) + self.label_smoothing / num_classes) * (labels != SKIPPED)[
-            :, None
-        ]
+        """Smoothed one-hot targets (batch x classes), mixed by `mixing`; rows of skipped images are zero.
+
+        Built by comparing each label with every class on the labels' device: no value of them is read on the
+        host."""
+        classes = torch.arange(num_classes, device=labels.device)
+        one_hot = (labels[:, None] == classes).to(dtype)  # a SKIPPED label (-1) matches no class
+        read = (labels != SKIPPED).to(dtype)[:, None]
+        smoothed = (one_hot * (1 - self.label_smoothing) + self.label_smoothing / num_classes) * read
         return smoothed if mixing is None else mixing.to(dtype) @ smoothed
 
     def loss_sum(self, outputs: torch.Tensor, labels: torch.Tensor, mixing: torch.Tensor | None = None):
@@ -80,7 +83,7 @@ class Objective:
         log_p = F.log_softmax(outputs, dim=1, dtype=torch.promote_types(outputs.dtype, torch.float32))
         targets = self.targets(labels, outputs.shape[1], mixing, log_p.dtype)
         if self.class_weights is not None:
-            targets = targets * self.class_weights.to(targets)
+            targets = targets * self.class_weights  # on the device already (build_objective)
         return -(targets * log_p).sum()
 
 
@@ -102,9 +105,9 @@ def describe_class_weights(config, split) -> str | None:
     )
 
 
-def build_objective(config, split) -> Objective:
-    """The loss the configuration asks for: label smoothing, class weights from the training split, mixup and
-    cutmix."""
-    return Objective(
-        config.label_smoothing, class_weights(config, split), config.mixup_alpha, config.cutmix_alpha, config.seed
-    )
+def build_objective(config, split, device: torch.device | str = "cpu") -> Objective:
+    """The loss the configuration asks for: label smoothing, class weights from the training split (on `device`,
+    where the step computes: copied there once, not every step), mixup and cutmix."""
+    weights = class_weights(config, split)
+    weights = None if weights is None else weights.to(device)
+    return Objective(config.label_smoothing, weights, config.mixup_alpha, config.cutmix_alpha, config.seed)

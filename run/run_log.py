@@ -67,9 +67,7 @@ class RunLog:
 
     def training_state(self, epoch: int, model, training) -> dict:
         """The checkpoint of this run after `epoch`: `model` (without its wrappers) and what `training` steps."""
-        return training_state(
-            epoch, model, training, self.best_acc, self.classes, self.world_size, self.record, self.device
-        )
+        return training_state(epoch, model, training, self.best_acc, self.classes, self.world_size, self.record)
 
     def epoch(self, metrics: dict, model, training, best, best_acc: float) -> None:
         """Everything an epoch leaves: its printed line, its log lines, its weights (and `best`'s, the model or

@@ -17,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EQ, TR, DI = "tests/test_equivalence.py::", "tests/test_training.py::", "tests/test_distributed.py::"
 WI, WO = "tests/test_wiring.py::", "tests/test_words.py::"
+HS, GP = "tests/test_host_syncs.py::", "tests/test_gpu_path.py::"
+NO_WAIT_STEP = HS + "test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing"
 STEP_TEST = EQ + "test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch"
 SHARD_TEST = EQ + "test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch"
 
@@ -60,8 +62,8 @@ BREAKS = [
      "            value /= get_world_size()\n", "            pass\n",
      EQ + "test_reduce_value_averages_or_sums_over_ranks_and_leaves_its_input_alone"),
     ("8c val_acc of rank 0 only", "multi_train_utils/bookkeeping.py",
-     "confusion = reduce_value(self.confusion, average=False).cpu()",
-     "confusion, max_skipped = self.confusion.cpu(), None",  # (else the unreadable-image limit stops the run first)
+     "counts = reduce_value(counts, average=False).cpu()",
+     "counts, max_skipped = counts.cpu(), None",  # (else the unreadable-image limit stops the run first)
      TR + "test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights"),
     # Copies that must not drift, and words that must stay true (tests/test_wiring.py, tests/test_words.py)
     ("9a launch script's loaders, not the tests'", LAUNCH, '    loading["pin_memory"] = device.type == "cuda"',
@@ -78,6 +80,47 @@ BREAKS = [
      WI + "test_every_line_the_launch_script_changes_says_which_ddp_concept_it_is"),
     ("9e the README names a function gone", "README.md", "`shuffled_batches(", "`shuffle_batches(",
      WO + "test_every_file_test_function_and_flag_a_page_names_exists"),
+    # The GPU path: nothing in a step makes the host wait for the device (tests/test_host_syncs.py, on fake CUDA
+    # tensors), and what a CPU can check of it (tests/test_gpu_path.py)
+    ("10a the loss read each step (.item())", "multi_train_utils/bookkeeping.py",
+     'mean_loss=f"{self.totals[0] / max(self.totals[1], 1):.3f}"', 'mean_loss=f"{loss_sum.item() / max(read, 1):.3f}"',
+     NO_WAIT_STEP),
+    ("10b a list made a tensor on the device each step", "dataset/transforms.py",
+     "scale, shift = normalising_constants(images.device)",
+     "scale, shift = normalising_constants.__wrapped__(images.device)", NO_WAIT_STEP),
+    ("10c a CPU tensor in a CUDA step", "recipe/loss.py", "weights = None if weights is None else weights.to(device)",
+     "weights = weights", NO_WAIT_STEP),
+    ("10d validation counted by bincount", "multi_train_utils/bookkeeping.py",
+     "self.confusion.view(-1).index_add_(0, cells, read)",
+     "self.confusion += torch.bincount(cells, read, self.num_classes**2).long().view_as(self.confusion)",
+     HS + "test_a_validation_batch_on_fake_cuda_makes_the_host_wait_for_nothing"),
+    ("10e SyncBatchNorm reads its count", "multi_train_utils/sync_batchnorm.py", "    total = moments[-1]\n",
+     "    total = moments[-1].item()\n", NO_WAIT_STEP),
+    ("10f torch's EMA update", "recipe/optimizer.py", "return ExponentialMovingAverage(model, decay)",
+     "return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)", NO_WAIT_STEP),
+    ("10g SGD not fused (float16's scaler reads)", "recipe/optimizer.py",
+     "momentum=config.momentum, weight_decay=config.weight_decay, fused=True",
+     "momentum=config.momentum, weight_decay=config.weight_decay, fused=False", NO_WAIT_STEP),
+    ("10h fused SGD's momentum left unset", "recipe/optimizer.py",
+     "        for param in params if config.momentum else []:\n", "        for param in []:\n",
+     GP + "test_float16_steps_skipped_by_the_scaler_leave_the_fused_sgd_as_torchs_default_sgd_leaves_it"),
+    ("11a every GPU's generator restored", "multi_train_utils/checkpoint.py",
+     "        training.ema.load_state_dict(state[\"ema\"])\n",
+     "        training.ema.load_state_dict(state[\"ema\"])\n    if torch.cuda.is_available() and \"rng\" in state:\n"
+     "        torch.cuda.set_rng_state_all(state[\"rng\"][\"cuda\"])\n",
+     GP + "test_a_checkpoint_saved_with_any_number_of_gpus_resumes_with_any_other"),
+    ("11b a step's draws not seeded", "multi_train_utils/bookkeeping.py", "            self.seed_random_draws(step)\n",
+     "", GP + "test_a_network_with_dropout_stopped_within_an_epoch_resumes_to_the_uninterrupted_runs_weights"),
+    ("11c every rank draws alike", "multi_train_utils/bookkeeping.py",
+     "self.epoch, step, get_rank())", "self.epoch, step, 0)",
+     GP + "test_each_rank_draws_dropout_masks_of_its_own_and_the_same_at_the_same_step_whatever_came_before"),
+    ("11d --device cuda:1 not made current", "multi_train_utils/distributed_utils.py",
+     "    process = Process(device=resolve_device(device))\n    use_device(process.device)\n",
+     "    process = Process(device=resolve_device(device))\n",
+     GP + "test_one_process_on_cuda_1_makes_it_the_current_gpu_and_waits_for_its_sums_on_its_stream"),
+    ("11e float16 resumes from an empty scaler", "multi_train_utils/checkpoint.py",
+     'if state.get("scaler") and training.scaler is not None:', 'if state.get("scaler") is not None:',
+     GP + "test_a_checkpoint_trained_without_float16_resumes_with_float16s_gradient_scaler"),
 ]  # fmt: skip
 
 

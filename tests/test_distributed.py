@@ -9,7 +9,7 @@ from wiring import loaders
 from dataset.folders import read_split_data
 from dataset.transforms import normalise, val_transform
 from model import create_model
-from multi_train_utils.sync_batchnorm import CPUSyncBatchNorm
+from multi_train_utils.sync_batchnorm import SyncBatchNorm2d
 from multi_train_utils.train_eval_utils import evaluate
 from my_dataset import MyDataSet
 
@@ -68,7 +68,7 @@ def test_validation_counts_every_image_once_whatever_the_world_size(
 
 def _sync_bn_step(rank, world_size, x, result_path):
     torch.manual_seed(0)
-    bn = CPUSyncBatchNorm(3)
+    bn = SyncBatchNorm2d(3)
     nn.init.uniform_(bn.weight)
     shard = x.chunk(world_size)[rank].clone().requires_grad_()
     out = bn(shard)

@@ -236,8 +236,7 @@ def _resize_legs(rank, world_size, config: Config, legs: list[tuple]):
         else:
             train_one_epoch(training, batches[:1], "cpu", 0)
             if rank == 0:
-                cpu = torch.device("cpu")
-                torch.save(training_state(0, bare, training, 0.0, [], world_size, {}, cpu), checkpoint)
+                torch.save(training_state(0, bare, training, 0.0, [], world_size, {}), checkpoint)
         train_one_epoch(training, batches[1:], "cpu", 1)
         if rank == 0:
             torch.save(snapshot(bare), result_path)

@@ -22,6 +22,8 @@ from torch import nn
 
 import machine
 import utils
+from dataset.sampling import step_seed
+from multi_train_utils.bookkeeping import EpochSteps
 from multi_train_utils.checkpoint import load_checkpoint, restore, save_atomically, training_state
 from multi_train_utils.distributed_utils import MPS_IN_DDP, init_distributed_mode, resolve_device, single_process
 from multi_train_utils.train_eval_utils import Training
@@ -79,7 +81,8 @@ def joins(monkeypatch):
 @pytest.fixture
 def mac_with_cuda_forbidden(mac, monkeypatch):
     """A Mac (see `mac`) on which calling a torch.cuda function the project uses fails the test, and whose mps
-    generator is a stand-in (its state, `generator["state"]`, a small tensor), as no mps generator exists here."""
+    generator is a stand-in that records the seeds it is given (the list returned), as no mps generator exists
+    here."""
 
     def forbidden(name):
         def call(*args, **kwargs):
@@ -87,16 +90,14 @@ def mac_with_cuda_forbidden(mac, monkeypatch):
 
         return call
 
-    # (torch.manual_seed's own call of torch.cuda.manual_seed_all is left: it is lazy, and a Mac runs it too)
     for name in (
         "is_available", "device_count", "set_device", "get_device_capability", "max_memory_allocated",
-        "get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all", "synchronize",
+        "get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all", "synchronize", "manual_seed",
     ):  # fmt: skip
         monkeypatch.setattr(torch.cuda, name, forbidden(name))
-    generator = {"state": torch.tensor([7, 8, 9], dtype=torch.uint8)}
-    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: generator["state"].clone())
-    monkeypatch.setattr(torch.mps, "set_rng_state", lambda state: generator.update(state=state))
-    return generator
+    seeds = []
+    monkeypatch.setattr(torch.mps, "manual_seed", seeds.append)
+    return seeds
 
 
 @pytest.mark.fast
@@ -206,8 +207,10 @@ def test_dist_backend_nccl_is_refused_in_one_line_where_torch_has_no_nccl(platfo
 
 
 @pytest.mark.fast
-def test_a_checkpoint_on_mps_keeps_the_mps_generator_and_calls_no_cuda_function(mac_with_cuda_forbidden, tmp_path):
-    generator = mac_with_cuda_forbidden
+def test_training_on_mps_seeds_the_mps_generator_each_step_and_calls_no_cuda_function(
+    mac_with_cuda_forbidden, tmp_path
+):
+    seeds = mac_with_cuda_forbidden
 
     def model_and_training(seed):
         torch.manual_seed(seed)
@@ -216,14 +219,12 @@ def test_a_checkpoint_on_mps_keeps_the_mps_generator_and_calls_no_cuda_function(
         return model, Training(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
 
     model, training = model_and_training(0)
-    state = training_state(4, model, training, 0.5, ["a", "b"], 1, {"device": "mps"}, MPS)
-    assert "cuda" not in state["rng"]
-    save_atomically(state, tmp_path / "checkpoint.pth")
-    saved_generator, generator["state"] = generator["state"], torch.tensor([0], dtype=torch.uint8)
-
+    seeds.clear()  # torch.manual_seed's
+    assert [step for step, _ in EpochSteps(training, [None] * 3, MPS, epoch=2)] == [0, 1, 2]
+    assert seeds == [step_seed(0, 2, step, 0) for step in range(3)]  # the step's own seed, on the mps generator
+    save_atomically(training_state(4, model, training, 0.5, ["a", "b"], 1, {"device": "mps"}), tmp_path / "c.pth")
     resumed_model, resumed_training = model_and_training(1)
-    assert restore(load_checkpoint(tmp_path / "checkpoint.pth"), resumed_model, resumed_training) == (5, 0.5)
-    assert torch.equal(generator["state"], saved_generator)
+    assert restore(load_checkpoint(tmp_path / "c.pth"), resumed_model, resumed_training) == (5, 0.5)
     assert torch.equal(resumed_model.weight, model.weight)
 
 

@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.optim.swa_utils import AveragedModel
 from torchvision.models import get_model
 from wiring import loaders
 
 from dataset.folders import read_split_data
 from model import create_model, freeze_all_but_head, head_names, load_weights
-from multi_train_utils.sync_batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
+from multi_train_utils.sync_batchnorm import SyncBatchNorm2d, convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training, train_one_epoch
 from my_dataset import SKIPPED
 from recipe.config import Config
@@ -178,6 +179,8 @@ def test_the_moving_average_is_the_hand_computed_one_buffers_included():
             expected = decay * expected + (1 - decay) * state[key]
         assert torch.allclose(ema.module.state_dict()[key], expected, atol=1e-6), key
         assert not torch.allclose(expected, states[-1][key])  # the average is not simply the last weights
+    assert ema.module.state_dict()["1.num_batches_tracked"] == states[-1]["1.num_batches_tracked"]  # counts copied
+    assert ema.state_dict().keys() == AveragedModel(model, use_buffers=True).state_dict().keys()  # torch's checkpoints
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "efficientnet_b0"])
@@ -188,9 +191,9 @@ def test_any_model_has_its_head_found_frozen_around_synchronised_and_loaded_past
     freeze_all_but_head(model, name)
     trainable = {key for key, p in model.named_parameters() if p.requires_grad}
     assert trainable == head
-    synced = convert_sync_batchnorm(create_model(5, name), torch.device("cpu"))
+    synced = convert_sync_batchnorm(create_model(5, name))
     assert not any(type(m) is nn.BatchNorm2d for m in synced.modules())
-    assert any(isinstance(m, CPUSyncBatchNorm) for m in synced.modules())
+    assert any(isinstance(m, SyncBatchNorm2d) for m in synced.modules())
     imagenet_like = get_model(name, num_classes=1000).state_dict()  # the official file's layout
     report = load_weights(create_model(5, name), imagenet_like, name=name)
     assert set(report.skipped_shape) == head and len(report.loaded) == len(imagenet_like) - len(head)

@@ -13,8 +13,11 @@ from model import data_parallel_over_gpus, initial_model
 from multi_train_utils.distributed_utils import Process, shuffled_batches, val_shard
 from multi_train_utils.stop_and_resume import ignore_stop_signals
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
+from multi_train_utils.train_eval_utils import Training
 from my_dataset import datasets
 from recipe.config import Config
+from recipe.loss import build_objective
+from recipe.optimizer import build_optimizer, model_ema
 from recipe.precision import Compute
 
 CPU = torch.device("cpu")
@@ -40,11 +43,15 @@ def loaders(split, img_size: int, batch_size: int, seed: int, world_size=1, rank
     return train_loader, val_loader
 
 
-def model_as_trained(num_classes: int, compute: Compute = Compute(), sync_bn=False, distributed=False, compile=False):
+def model_as_trained(
+    num_classes: int, compute: Compute = Compute(), sync_bn=False, distributed=False, compile=False, **options
+):
     """(the model as it is trained: in DDP wrapped, with SyncBatchNorm when `sync_bn`; compiled when `compile`,
-    the model itself, for evaluating and saving): ResNet-34, seeded with 0, on the CPU."""
-    config = Config(model="resnet34", seed=0, sync_bn=sync_bn, compile=compile)
-    plan, device = SimpleNamespace(split=SimpleNamespace(classes=range(num_classes)), weights=None), CPU
+    the model itself, for evaluating and saving): ResNet-34 (or options["model"]), seeded with 0, on the CPU (or
+    options["device"]); other `options` are Config fields."""
+    device = options.pop("device", CPU)
+    config = Config(model=options.pop("model", "resnet34"), seed=0, sync_bn=sync_bn, compile=compile, **options)
+    plan = SimpleNamespace(split=SimpleNamespace(classes=range(num_classes)), weights=None)
     if distributed:
         # statement for statement: train_multi_gpu_using_launch.py
         model = initial_model(
@@ -52,7 +59,7 @@ def model_as_trained(num_classes: int, compute: Compute = Compute(), sync_bn=Fal
             seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
         )  # fmt: skip
         if config.sync_bn and not config.freeze_layers:
-            model = convert_sync_batchnorm(model, device)
+            model = convert_sync_batchnorm(model)
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         trained = torch.compile(trained) if config.compile else trained
         # end of train_multi_gpu_using_launch.py
@@ -66,3 +73,18 @@ def model_as_trained(num_classes: int, compute: Compute = Compute(), sync_bn=Fal
         trained = torch.compile(trained) if config.compile else trained
         # end of train_single_gpu.py
     return trained, model
+
+
+def training_as_built(config: Config, plan, trained, model, train_loader, device, compute: Compute) -> Training:
+    """The Training of train_single_gpu.py's `train` (its optimizer, schedule, gradient scaler, loss and EMA) for
+    `trained` (and its unwrapped `model`), a run of `config` on `plan.split` (its classes and train_labels) on
+    `device` as `compute` says, with `train_loader`'s batches an epoch."""
+    # statement for statement: train_single_gpu.py
+    optimizer, scheduler = build_optimizer(trained, config, len(train_loader))
+    training = Training(
+        trained, optimizer, scheduler, compute, compute.grad_scaler(device),
+        objective=build_objective(config, plan.split, device), accumulate=config.accumulate,
+        ema=model_ema(model, config.ema_decay) if config.model_ema else None,
+    )  # fmt: skip
+    # end of train_single_gpu.py
+    return training

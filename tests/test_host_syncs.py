@@ -1,0 +1,207 @@
+"""The GPU path never makes the host wait for the device in a training step or a validation batch, on every
+precision and recipe switch: proven on fake CUDA tensors (tests/fake_cuda.py) on any machine, and on a real GPU
+under torch.cuda.set_sync_debug_mode("error") where there is one.
+
+The step is the scripts' own: train_one_epoch and evaluate, the model, optimizer, scaler, loss and EMA built by
+train_single_gpu.py's statements (tests/wiring.py), SyncBatchNorm by the DDP scripts' converter. On fake CUDA an
+`.item()`, a boolean mask, a bincount or a CPU tensor mixed into a CUDA operation fails, and every copy between the
+host and the GPU that blocks is counted: an epoch of 4 steps must make no more of them than an epoch of 2 (what an
+epoch does once, like reading the validation counts at its end, is allowed; what a step does is not).
+"""
+
+import collections
+import itertools
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fake_cuda import FakeCuda
+from torch import nn
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
+from wiring import model_as_trained, training_as_built
+
+import multi_train_utils.sync_batchnorm as sync_batchnorm
+from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
+from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+from my_dataset import SKIPPED
+from recipe.config import Config
+from recipe.precision import AMP_DTYPES, Compute
+
+pytestmark = [
+    pytest.mark.fast,
+    # the EMA deep-copies the model, and torch's Tensor.__deepcopy__ looks at a fake tensor's (absent) data pointer
+    pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor"),
+]
+
+CLASSES = 3
+EVERY_SWITCH = {
+    "model_ema": True, "class_weights": "balanced", "accumulate": 2, "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
+    "label_smoothing": 0.1, "sync_bn": True, "channels_last": True,
+}  # fmt: skip
+
+
+class TwoRanks:
+    """torch.distributed as SyncBatchNorm2d sees it in a group of two whose other rank has the same batch: its
+    all-reduce doubles the sums. So its multi-process path runs in one process, on fake CUDA tensors too."""
+
+    @staticmethod
+    def is_initialized():
+        return True
+
+    @staticmethod
+    def get_world_size():
+        return 2
+
+    @staticmethod
+    def all_reduce(tensor, *args, **kwargs):
+        tensor.mul_(2)
+
+
+class Batches(list):
+    """A loader's batches, and its `dataset` (what evaluate counts the unreadable images against)."""
+
+    def __init__(self, batches: list, images: int):
+        super().__init__(batches)
+        self.dataset = range(images)
+
+
+def batches(count: int, size: int = 4, pixels: int = 32) -> Batches:
+    """`count` batches of 8-bit images and labels, as the loaders give them (on the host); the first image of the
+    first batch is one that could not be read (SKIPPED)."""
+    generator = torch.Generator().manual_seed(0)
+    made = Batches([], count * size)
+    for _ in range(count):
+        images = torch.randint(0, 256, (size, 3, pixels, pixels), dtype=torch.uint8, generator=generator)
+        made.append((images, torch.randint(0, CLASSES, (size,), generator=generator)))
+    made[0][1][0] = SKIPPED
+    return made
+
+
+def built(device: torch.device, amp: str, switches: dict):
+    """(the training, the unwrapped model, its Compute) for ResNet-18, as train_single_gpu.py builds them; with
+    sync_bn, its BatchNorm synchronised as in DDP."""
+    switches = dict(switches)
+    sync_bn, channels_last = switches.pop("sync_bn", False), switches.pop("channels_last", False)
+    config = Config(model="resnet18", img_size=32, batch_size=4, epochs=4, weight_decay=1e-4, **switches)
+    compute = Compute(AMP_DTYPES[amp], channels_last)
+    trained, model = model_as_trained(CLASSES, compute, model=config.model, device=device)
+    if sync_bn:
+        trained = model = convert_sync_batchnorm(model)
+    plan = SimpleNamespace(split=SimpleNamespace(classes=list("abc"), train_labels=[0, 0, 1, 2]))
+    return training_as_built(config, plan, trained, model, batches(2), device, compute), model, compute
+
+
+def epochs_of(kind: str, training, model, compute: Compute, device: torch.device, **limits):
+    """run(data): an epoch on the batches `data`, of training ("train": the next epoch each call) or of
+    validation ("validate", with `limits`: evaluate's max_skipped)."""
+    if kind == "validate":
+        return lambda data: evaluate(model, data, device, CLASSES, compute, topk=2, **limits)
+    epochs = itertools.count()
+    return lambda data: train_one_epoch(training, data, device, next(epochs))
+
+
+def waits_per_epoch(run, waits: collections.Counter) -> tuple[collections.Counter, collections.Counter]:
+    """What `waits` gained during run(batches(2)) and during run(batches(4)), after one run to warm up (the first
+    step makes the optimizer's state, the EMA's first copy, ...)."""
+    counted = []
+    run(batches(2))
+    for count in (2, 4):
+        before = collections.Counter(waits)
+        run(batches(count))
+        counted.append(waits - before)
+    return tuple(counted)
+
+
+def fake_cuda_waits(kind: str, amp: str, switches: dict) -> tuple[collections.Counter, collections.Counter]:
+    """waits_per_epoch of `kind` (epochs_of) on fake CUDA, as FakeCuda counts them. (Without evaluate's limit on
+    unreadable images: a fake confusion matrix reaches the host as zeros.)"""
+    with FakeCuda() as cuda:
+        device = torch.device("cuda")
+        training, model, compute = built(device, amp, switches)
+        return waits_per_epoch(epochs_of(kind, training, model, compute, device), cuda.waits)
+
+
+PRECISIONS = ["off", "bf16", "fp16"]
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    monkeypatch.setattr(sync_batchnorm, "dist", TwoRanks)
+
+
+@pytest.mark.parametrize("switches", [{}, EVERY_SWITCH], ids=["plain", "every-switch"])
+@pytest.mark.parametrize("amp", PRECISIONS)
+def test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, two_ranks):
+    short, long = fake_cuda_waits("train", amp, switches)
+    assert long == short, f"the host waits for the device in each step: {long - short} more in 2 more steps"
+    assert sum(long.values()) == 0, long  # nor once an epoch: the epoch's sums arrive without a blocking copy
+
+
+@pytest.mark.parametrize("switches", [{}, EVERY_SWITCH], ids=["plain", "every-switch"])
+@pytest.mark.parametrize("amp", PRECISIONS)
+def test_a_validation_batch_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, two_ranks):
+    short, long = fake_cuda_waits("validate", amp, switches)
+    assert long == short, f"the host waits for the device in each batch: {long - short} more in 2 more batches"
+    assert long == {"blocking copy to the host": 1}  # the epoch's confusion matrix, once, at its end
+
+
+class NcclGroup:
+    """A process group of two, as torch's nn.SyncBatchNorm asks it for its backend."""
+
+    @staticmethod
+    def _get_backend_name():
+        return "nccl"
+
+
+def test_torchs_own_sync_batchnorm_would_make_the_host_wait_in_every_layer(monkeypatch):
+    """Why convert_sync_batchnorm puts SyncBatchNorm2d on a GPU too (multi_train_utils/sync_batchnorm.py)."""
+    for name, value in {
+        "is_initialized": lambda: True, "get_world_size": lambda group=None: 2,
+        "all_gather_single": lambda output, input, *args, **kwargs: output.copy_(torch.cat([input, input])[None]),
+    }.items():  # fmt: skip
+        monkeypatch.setattr(torch.distributed, name, value, raising=False)
+    with FakeCuda():
+        with torch.device("cuda"):
+            theirs, ours = nn.SyncBatchNorm(8), convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(8)))
+        theirs.process_group = NcclGroup()
+        images = torch.randn(4, 8, 5, 5, device="cuda")
+        with monkeypatch.context() as patches:
+            patches.setattr(sync_batchnorm, "dist", TwoRanks)
+            ours(images).sum().backward()  # the same statistics (test_distributed.py), nothing read on the host
+        with pytest.raises(DynamicOutputShapeException):  # count_all[mask]: a size only the GPU knows
+            theirs(images)
+
+
+class SyncWarnings:
+    """run(data) on a real GPU, counting in `waits` the syncs torch.cuda.set_sync_debug_mode("warn") reports; the
+    batches pinned, as the scripts' loaders pin them there."""
+
+    def __init__(self, run):
+        self.run, self.waits = run, collections.Counter()
+
+    def __call__(self, data):
+        pinned = Batches([(images.pin_memory(), labels.pin_memory()) for images, labels in data], len(data) * 4)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                self.run(pinned)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        self.waits["synchronizing CUDA operations"] += sum("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("amp", PRECISIONS)
+def test_a_cuda_training_step_makes_no_host_sync_under_sync_debug_mode(amp, two_ranks):
+    device = torch.device("cuda")
+    if amp == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bfloat16")
+    training, model, compute = built(device, amp, EVERY_SWITCH)
+    for kind, limits in (("train", {}), ("validate", {"max_skipped": 1})):
+        run = SyncWarnings(epochs_of(kind, training, model, compute, device, **limits))
+        short, long = waits_per_epoch(run, run.waits)
+        assert long == short, f"{kind}: the host waits for the GPU in each step: {long - short} more in 2 more"
