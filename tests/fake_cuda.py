@@ -115,7 +115,6 @@ class FakeCuda(TorchDispatchMode):
         cuda, patches = torch.cuda, self.patches
         for name, value in {
             "is_available": lambda: True,
-            "device_count": lambda: self.devices,
             "is_bf16_supported": lambda *args, **kwargs: True,
             "current_device": lambda: self.current,
             "set_device": self.set_device,
@@ -124,7 +123,11 @@ class FakeCuda(TorchDispatchMode):
             "is_current_stream_capturing": lambda: False,  # (torch's nn.SyncBatchNorm asks)
         }.items():
             patches.enter_context(substituted(cuda, name, value))
-        for name, value in {"get_rng_state": self.get_rng_state, "set_rng_state": self.set_rng_state}.items():
+        for name, value in {
+            "get_rng_state": self.get_rng_state,
+            "set_rng_state": self.set_rng_state,
+            "device_count": lambda: self.devices,
+        }.items():
             for owner in (cuda, torch.cuda.random):  # (get_rng_state_all and set_rng_state_all call the latter's)
                 patches.enter_context(substituted(owner, name, value))
         patches.enter_context(substituted(torch.Tensor, "backward", backward))  # (see backward)
