@@ -30,6 +30,7 @@ import collections
 import contextlib
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -131,6 +132,8 @@ class FakeCuda(TorchDispatchMode):
             for owner in (cuda, torch.cuda.random):  # (get_rng_state_all and set_rng_state_all call the latter's)
                 patches.enter_context(substituted(owner, name, value))
         patches.enter_context(substituted(torch.Tensor, "backward", backward))  # (see backward)
+        if hasattr(fake_tensor, "init_gpu_context"):  # torch 2.11 starts a real GPU before its first fake CUDA tensor
+            patches.enter_context(substituted(fake_tensor, "init_gpu_context", lambda device: None))
         patches.enter_context(self.fake)  # beneath this mode: what reaches it is on a GPU
         return super().__enter__()
 

@@ -156,9 +156,10 @@ class NcclGroup:
 
 def test_torchs_own_sync_batchnorm_would_make_the_host_wait_in_every_layer(monkeypatch):
     """Why convert_sync_batchnorm puts SyncBatchNorm2d on a GPU too (multi_train_utils/sync_batchnorm.py)."""
+    gather = lambda output, input, *args, **kwargs: output.copy_(torch.cat([input, input]).view_as(output))  # noqa: E731
     for name, value in {
         "is_initialized": lambda: True, "get_world_size": lambda group=None: 2,
-        "all_gather_single": lambda output, input, *args, **kwargs: output.copy_(torch.cat([input, input])[None]),
+        "all_gather_single": gather, "all_gather_into_tensor": gather,  # (torch 2.14's name; 2.11's)
     }.items():  # fmt: skip
         monkeypatch.setattr(torch.distributed, name, value, raising=False)
     with FakeCuda():
