@@ -285,17 +285,42 @@ def in_fresh_process(name: str, target, *args) -> dict:
     return result
 
 
-def matmul_peak(dtype: torch.dtype, device: torch.device, size: int = 2048) -> float:
-    """FLOP/s of a size x size matrix product in `dtype` on all of this process's cores: the machine's practical
-    peak in that precision (the best of several timed products, after a warm-up)."""
+def matmul_peak(dtype: torch.dtype, device: torch.device) -> float:
+    """FLOP/s of square matrix products in `dtype` on `device` (on the CPU, on all of this process's cores): the
+    machine's practical peak in that precision, the best of 6 timed rounds.
+
+    A round must last long beside launching its work and waiting for its end. On the CPU one product of 2048 x 2048
+    matrices (17 GFLOP) does. A fast GPU computes that product in about the time it takes to launch it and wait for
+    it, so there a round is 10 products of 8192 x 8192 matrices (1.1 TFLOP each), queued back to back, with one
+    synchronisation at the end.
+
+    float32 is timed as training computes it. On a GPU, cuDNN computes float32 convolutions, nearly all of a ResNet's
+    FLOPs, in TensorFloat-32 (torch.backends.cudnn.allow_tf32, True by default, which nothing here changes); torch
+    computes float32 matrix products in full float32 unless told otherwise. So on a GPU the float32 peak is the TF32
+    one: the products are timed under torch.set_float32_matmul_precision("high"), and the setting is put back after.
+    On the CPU, float32 is float32."""
+    on_gpu = device.type == "cuda"
+    size, per_round = (8192, 10) if on_gpu else (2048, 1)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    best = float("inf")
-    for _ in range(6):
-        start = time.perf_counter()
-        (a @ b).sum().item()  # .item() waits for a GPU to finish
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    product = torch.empty_like(a)
+    tf32 = on_gpu and dtype == torch.float32
+    precision = torch.get_float32_matmul_precision()
+    if tf32:
+        torch.set_float32_matmul_precision("high")
+    try:
+        best = float("inf")
+        for _ in range(6):
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(per_round):
+                torch.matmul(a, b, out=product)
+            synchronize(device)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        if tf32:
+            torch.set_float32_matmul_precision(precision)
+    return 2 * size**3 * per_round / best
 
 
 def training_flops_per_image(img_size: int) -> float:
@@ -622,7 +647,11 @@ def main(argv=None):
     auto, compute, workers = auto_run(args)  # first: the rows below compute as it chose
     print(f"auto chose {described(compute)}, {worker_phrase(workers)}; measuring took {auto['measure_seconds']} s")
     fixed = [Compute(AMP_DTYPES[FIXED[name][0]]) for name in args.fixed]
-    peaks, flops = measure_peaks([compute, *fixed], torch.device(args.device)), training_flops_per_image(args.img_size)
+    # every precision a row may train in: the DDP runs measure with their own share of the cores and may choose
+    # another of auto's candidates than the single process did
+    chosen_by_any = [Compute(AMP_DTYPES[amp]) for amp in amp_candidates(args.amp, torch.device(args.device))[0]]
+    peaks = measure_peaks([compute, *fixed, *chosen_by_any], torch.device(args.device))
+    flops = training_flops_per_image(args.img_size)
     print(
         "Matrix-product peak: " + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
         + f"; a training step is {flops / 1e9:.2f} GFLOP per image"
