@@ -2,27 +2,44 @@
 
 python evaluate.py --weights runs/train_single_gpu-20261122-201145/weights/best.pth
 python evaluate.py --weights best.pth --class-indices class_indices.json --data-path flower_photos --all
+python evaluate.py --weights best.pth --results val.csv                        # and one row per image, a file
+torchrun --nproc_per_node=2 evaluate.py --weights best.pth                     # DDP, torchrun
+python evaluate.py --weights best.pth --world-size 2                           # DDP, spawn
 
 The data folder, validation rate, seed and image size default to the run's own (its args.json), so the split is
 the one the run validated on; flags override them. A data folder of train/ and val/ alone is split as given
 (read_split_data decides, as it did for the run): its val/ images are evaluated, whatever the rate and seed.
-Writes eval.json and confusion_matrix.png.
+Writes eval.json and confusion_matrix.png. Under torchrun, or with --world-size (torch.multiprocessing.spawn), each
+process scores its share of the images and the counts are summed: the same scores as one process gives, each image
+counted once.
 
 Top-5 accuracy (the true class among an image's 5 highest logits) is reported with more than 5 classes only: with
 5 or fewer every image's true class is among its top 5, so it would always be 1. eval.json then has
 "top5_accuracy": null and "top5_correct": null, and nothing is printed for it.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from dataset.folders import read_split_data
-from multi_train_utils.distributed_utils import resolve_device
-from multi_train_utils.train_eval_utils import evaluate
+from dataset.image_check import ImageCheck
+from multi_train_utils.bookkeeping import Tally
+from multi_train_utils.distributed_utils import cleanup, is_main_process, on_main_process, print_once, val_shard
+from multi_train_utils.spawn_utils import choose_meeting_point, report_failures, run_workers
 from plot_results import save_png
+from run.results import add_results_arguments, check_results_file, results_file
+from run.scoring import (
+    add_scoring_arguments,
+    join_group,
+    rows_of,
+    scored_batches,
+    spawned_world_size,
+)
 from run.trained import add_model_arguments, image_loader, load_trained_model
 from utils import HelpFormatter, Parser, UserError, check_writable, describe, entry_point, number, write_json
 
@@ -92,21 +109,58 @@ def parse_args(argv=None):
     parser.add_argument(
         "--output-dir", type=Path, help="where eval.json and confusion_matrix.png go (default: RUN/eval)"
     )
+    add_results_arguments(parser)
+    add_scoring_arguments(parser)
     return parser.parse_args(argv)
 
 
-def chosen_images(args, split, data_path, val_rate: float, seed: int) -> tuple[list, list, dict]:
-    """The images to evaluate (the validation split, or --all), their labels, and eval.json's "split"."""
+@dataclass
+class Evaluation:
+    """What evaluate.py scores and where it writes: the images and their labels, eval.json's "split", the line
+    that says which images they are, those left out of the split as unreadable, and the output folder."""
+
+    images: list
+    labels: list
+    split: dict
+    announcement: str
+    unreadable: list
+    output_dir: Path
+
+
+def plan(args, trained) -> Evaluation:
+    """The images to evaluate and where the results go, every input checked (UserError otherwise)."""
+    data_path = trained.setting("data_path", args.data_path)
+    if data_path is None:
+        raise UserError(f"no data: give --data-path (the flags of the run of {args.weights} were not found)")
+    if args.data_path is None and not Path(data_path).is_dir():
+        raise UserError(f"the run's data path {data_path} is not a folder here: give --data-path")
+    val_rate, seed = trained.setting("val_rate", args.val_rate), trained.setting("seed", args.seed)
+    output_dir = args.output_dir or trained.run_folder / "eval"
+    check_writable(output_dir)
+
+    # Split exactly as training does: unreadable images left out first, as they were from the run's split (their
+    # verdicts are in the run's folder: ImageCheck decodes only what it has none for). --all takes every image
+    # whatever the split: an unreadable one is found as it is scored, and reported in its row.
+    verify = False if args.all else ImageCheck(data_path, trained.run_folder)
+    split = read_split_data(data_path, val_rate, seed, verify_images=verify)
+    if split.classes != trained.classes:
+        raise UserError(f"{args.weights} was trained on classes {trained.classes}, but {data_path} has {split.classes}")
+    images, labels, used, announcement = chosen_images(args, split, data_path, val_rate, seed)
+    return Evaluation(images, labels, used, announcement, split.unreadable, output_dir)
+
+
+def chosen_images(args, split, data_path, val_rate: float, seed: int) -> tuple[list, list, dict, str]:
+    """The images to evaluate (the validation split, or --all), their labels, eval.json's "split", and the line
+    that says which they are."""
     if args.all:
         images, labels = split.train_images + split.val_images, split.train_labels + split.val_labels
-        print(f"Evaluating {args.weights} on all {len(images)} images of {data_path}")
-        return images, labels, {"images": "all", "data_path": str(data_path)}
-    print(
-        f"Evaluating {args.weights} on the {len(split.val_images)} validation images of {data_path} "
-        + ("(its val/ folder, as given)" if split.given else f"(val-rate {val_rate}, seed {seed})")
+        line = f"Evaluating {args.weights} on all {len(images)} images of {data_path}"
+        return images, labels, {"images": "all", "data_path": str(data_path)}, line
+    line = f"Evaluating {args.weights} on the {len(split.val_images)} validation images of {data_path} " + (
+        "(its val/ folder, as given)" if split.given else f"(val-rate {val_rate}, seed {seed})"
     )
     how = {"given": True} if split.given else {"val_rate": val_rate, "seed": seed}
-    return split.val_images, split.val_labels, {"images": "validation", "data_path": str(data_path), **how}
+    return split.val_images, split.val_labels, {"images": "validation", "data_path": str(data_path), **how}, line
 
 
 def scores_report(classes: list[str], confusion: torch.Tensor, scores: dict, in_top5: int | None) -> dict:
@@ -127,44 +181,77 @@ def scores_report(classes: list[str], confusion: torch.Tensor, scores: dict, in_
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
-    trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device), args.model)
-    data_path = trained.setting("data_path", args.data_path)
-    if data_path is None:
-        raise UserError(f"no data: give --data-path (the flags of the run of {args.weights} were not found)")
-    if args.data_path is None and not Path(data_path).is_dir():
-        raise UserError(f"the run's data path {data_path} is not a folder here: give --data-path")
-    val_rate, seed = trained.setting("val_rate", args.val_rate), trained.setting("seed", args.seed)
-    output_dir = args.output_dir or trained.run_folder / "eval"
-    check_writable(output_dir)
+    check_results_file(args.results, args.force)
+    if args.world_size is None:  # one process, or one of torchrun's
+        return evaluate_here(None, args)
+    world_size = spawned_world_size(args.world_size, args.device)
+    plan(args, load_trained_model(args.weights, args.class_indices, torch.device("cpu"), args.model))  # spawn: once
+    print(f"Starting {world_size} processes; they meet at {choose_meeting_point()}")
+    run_workers(worker, (args,), world_size)  # spawn: worker(rank, ...) in each new process
 
-    # Split exactly as training does (unreadable images left out first, as they were from the run's split).
-    split = read_split_data(data_path, val_rate, seed, verify_images=True)
-    if split.classes != trained.classes:
-        raise UserError(f"{args.weights} was trained on classes {trained.classes}, but {data_path} has {split.classes}")
-    if split.unreadable:
-        print(f"warning: skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
-    images, labels, used = chosen_images(args, split, data_path, val_rate, seed)
 
-    loader = image_loader(trained, args, images, labels)
-    topk = TOPK if len(split.classes) > TOPK else None  # with fewer classes it is always 1
-    scored = evaluate(trained.model, loader, trained.device, len(split.classes), trained.compute, topk=topk)
-    confusion, in_top5 = scored if topk else (scored, None)
+@entry_point
+@report_failures
+def worker(rank: int, args) -> None:
+    evaluate_here(rank, args)
+
+
+def evaluate_here(rank: int | None, args) -> None:
+    # DDP: join the process group: spawn passes the rank, torchrun sets it in the environment (alone: no group)
+    process = join_group(args.device, rank, args.world_size)
+    try:
+        evaluate_weights(args, process)
+    finally:
+        cleanup()  # DDP: leave the process group
+
+
+def evaluate_weights(args, process) -> None:
+    trained = load_trained_model(args.weights, args.class_indices, process.device, args.model)
+    evaluation = plan(args, trained)
+    images, labels, classes = evaluation.images, evaluation.labels, trained.classes
+    if evaluation.unreadable:
+        print_once(
+            f"warning: skipped {len(evaluation.unreadable)} unreadable image(s): {describe(evaluation.unreadable)}"
+        )
+    print_once(evaluation.announcement)
+
+    # DDP: this process scores images rank, rank + world size, ...: every image once, none padded
+    shard = val_shard(images, process.rank, process.world_size)
+    loader = image_loader(trained, args, images, labels, shard, process.local_world_size)
+    tally = Tally(len(classes), process.device, TOPK if len(classes) > TOPK else None)  # with 5 classes, top-5 is 1
+    shown = min(args.topk, len(classes))
+    # DDP: rank 0 gathers every batch, in the order of the images, and alone writes them
+    with torch.inference_mode():
+        with results_file(args.results, shown, enabled=is_main_process()) as results:
+            for batch in scored_batches(trained, loader, len(images), process.world_size, args.tta, tally, "evaluate"):
+                results.write(rows_of(batch, images, labels, classes, shown))
+        scored = tally.over_all_ranks(loader)  # DDP: every process's counts, summed
+    # DDP: rank 0 prints and writes the report; the others wait for it, and stop with it if it cannot
+    on_main_process(report, args, trained, evaluation, scored)
+
+
+def report(args, trained, evaluation: Evaluation, scored) -> None:
+    """Print the scores, and write eval.json and confusion_matrix.png."""
+    confusion, in_top5 = scored if isinstance(scored, tuple) else (scored, None)
     correct, total = int(confusion.trace()), int(confusion.sum())
     scores = per_class_scores(confusion)
-    left_out = f"; {len(images) - total} unreadable image(s) left out" if total < len(images) else ""
+    images = len(evaluation.images)
+    left_out = f"; {images - total} unreadable image(s) left out" if total < images else ""
     print(f"accuracy {correct / total:.3f} ({correct}/{total}{left_out})")
     if in_top5 is not None:
         print(f"top-5 accuracy {in_top5 / total:.3f} ({in_top5}/{total})")
     print()
-    print_table(split.classes, scores)
+    print_table(trained.classes, scores)
 
-    img_size = trained.setting("img_size", args.img_size)
-    report = {"weights": str(args.weights), "split": used, "img_size": img_size}
-    write_json(output_dir / "eval.json", report | scores_report(split.classes, confusion, scores, in_top5))
-    title = f"{args.weights.name}: accuracy {correct / total:.3f} ({correct}/{total}, {used['images']} images)"
-    plot_confusion_matrix(confusion, split.classes, title, output_dir / "confusion_matrix.png")
-    print(f"\nWrote {output_dir / 'eval.json'} and {output_dir / 'confusion_matrix.png'}")
+    output_dir, img_size = evaluation.output_dir, trained.setting("img_size", args.img_size)
+    written = {"weights": str(args.weights), "split": evaluation.split, "img_size": img_size, "tta": args.tta}
+    write_json(output_dir / "eval.json", written | scores_report(trained.classes, confusion, scores, in_top5))
+    used = evaluation.split["images"]
+    title = f"{args.weights.name}: accuracy {correct / total:.3f} ({correct}/{total}, {used} images)"
+    plot_confusion_matrix(confusion, trained.classes, title, output_dir / "confusion_matrix.png")
+    files = [output_dir / "eval.json", output_dir / "confusion_matrix.png", *filter(None, [args.results])]
+    print(f"\nWrote {', '.join(map(str, files[:-1]))} and {files[-1]}")
 
 
 if __name__ == "__main__":
-    main()
+    record(main)()  # DDP: under torchrun, a crash's traceback goes to torchrun's error file, naming its rank

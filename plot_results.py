@@ -129,8 +129,8 @@ def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
 def plot_benchmark(benchmark: dict, path=None) -> Figure:
     """Images per second, one horizontal bar per row of a benchmark (the schema benchmark.py writes): the rows
     that train at the benchmark's image size in the top panel; below, on an axis of their own, the loader rows
-    (images loaded, tens of times more) and the demo's (trained at its own small size), which would otherwise
-    dwarf them.
+    (images loaded, tens of times more), the demo's (trained at its own small size) and predict.py's (images
+    scored, not trained), which would otherwise dwarf them.
 
     The title says where and how it was measured (machine, date, torch, image size, batch, precision). Rows keep
     their order, top to bottom; a row whose img_per_sec is null is shown as "not measured". Writes the PNG to
@@ -138,10 +138,10 @@ def plot_benchmark(benchmark: dict, path=None) -> Figure:
     """
     rows, settings = benchmark["rows"], benchmark.get("settings", {})
     colours = {kind: f"C{i}" for i, kind in enumerate(dict.fromkeys(row.get("kind") for row in rows))}
-    apart = [row for row in rows if row.get("kind") in ("loader", "demo")]
+    apart = [row for row in rows if row.get("kind") in ("loader", "demo", "predict")]
     panels = [(row_list, label) for row_list, label in (
         ([row for row in rows if row not in apart], "images per second trained (higher is better)"),
-        (apart, "images per second: loaded (loader rows), or trained at the demo's size"),
+        (apart, "images per second: loaded (loader rows), trained at the demo's size, or scored (predict.py)"),
     ) if row_list]  # fmt: skip
 
     fig = Figure(figsize=(10, 1.8 + 0.55 * len(rows) + 0.6 * (len(panels) - 1)), dpi=120, layout="constrained")

@@ -1,18 +1,36 @@
 """Classify images with weights a training run saved: each image's top-k classes by name, with probabilities.
 
 python predict.py photo.jpg more_photos/ --weights runs/train_single_gpu-20261122-201145/weights/best.pth
+python predict.py photos/ --weights best.pth --results predictions.csv                 # one row per image, a file
+torchrun --nproc_per_node=2 predict.py photos/ --weights best.pth --results predictions.csv     # DDP, torchrun
+python predict.py photos/ --weights best.pth --results predictions.jsonl --world-size 2        # DDP, spawn
+
+Under torchrun, or with --world-size (torch.multiprocessing.spawn), each process scores its share of the images
+and rank 0 gathers them in their order: the same lines, or rows, as one process gives, each image once. An image
+that cannot be read is reported in its line (or row), and the others are scored.
 """
 
+import sys
+import time
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from dataset.folders import IMAGE_EXTENSIONS, list_images
-from dataset.images import image_problem
-from multi_train_utils.distributed_utils import resolve_device
-from my_dataset import SKIPPED
+from multi_train_utils.distributed_utils import cleanup, is_main_process, val_shard
+from multi_train_utils.spawn_utils import choose_meeting_point, report_failures, run_workers
+from run.results import add_results_arguments, check_results_file, results_file
+from run.scoring import (
+    UNKNOWN,
+    add_scoring_arguments,
+    join_group,
+    rows_of,
+    scored_batches,
+    spawned_world_size,
+)
 from run.trained import add_model_arguments, image_loader, load_trained_model
-from utils import HelpFormatter, Parser, UserError, describe, entry_point, positive_int
+from utils import HelpFormatter, Parser, UserError, entry_point
 
 
 def images_in(folder: Path) -> list[Path]:
@@ -23,7 +41,8 @@ def images_in(folder: Path) -> list[Path]:
 
 
 def find_images(paths: list[Path]) -> list[Path]:
-    """The files named, and the images in the folders named and their sub-folders; every one must be readable."""
+    """The files named, and the images in the folders named and their sub-folders. Whether each can be read is
+    found as it is scored: an unreadable one is reported in its line."""
     images = []
     for path in paths:
         if not path.exists():
@@ -35,43 +54,76 @@ def find_images(paths: list[Path]) -> list[Path]:
         if not found:
             raise UserError(f"folder {path} holds no images ({' '.join(IMAGE_EXTENSIONS)}, in it or its sub-folders)")
         images += found
-    unreadable = [f"{image} ({problem})" for image in images if (problem := image_problem(image)) is not None]
-    if unreadable:
-        raise UserError(f"cannot read {len(unreadable)} image(s): {describe(unreadable, shown=3)}")
     return images
 
 
-@entry_point
-def main(argv=None):
+def parse_args(argv=None):
     parser = Parser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument(
         "images", nargs="+", type=Path, metavar="IMAGE_OR_FOLDER", help="image files, or folders to search for images"
     )
     add_model_arguments(parser)
-    parser.add_argument("--topk", type=positive_int, default=3, help="classes shown per image (at most all of them)")
-    args = parser.parse_args(argv)
+    add_results_arguments(parser)
+    add_scoring_arguments(parser)
+    return parser.parse_args(argv)
 
+
+@entry_point
+def main(argv=None):
+    args = parse_args(argv)
     images = find_images(args.images)
-    trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device), args.model)
-    topk = min(args.topk, len(trained.classes))
-    # The dataset's "label" of each image is its position in `images`, to name the file when its batch comes back.
-    loader = image_loader(trained, args, images, list(range(len(images))))
-    with torch.inference_mode():
-        for batch, positions in loader:
-            with trained.compute.autocast(trained.device):
-                logits = trained.model(trained.compute.batch_to(batch, trained.device))
-            probabilities = logits.float().softmax(dim=1)
-            top = probabilities.topk(topk, dim=1)
-            for position, values, labels in zip(
-                positions.tolist(), top.values.tolist(), top.indices.tolist(), strict=True
-            ):
-                if position == SKIPPED:  # it vanished or broke since it was checked; the loader warned
-                    continue
-                ranked = ", ".join(
-                    f"{trained.classes[label]} {value:.3f}" for label, value in zip(labels, values, strict=True)
-                )
-                print(f"{images[position]}: {ranked}", flush=True)
+    check_results_file(args.results, args.force)
+    if args.world_size is None:  # one process, or one of torchrun's
+        return predict_here(None, args, images)
+    world_size = spawned_world_size(args.world_size, args.device)
+    load_trained_model(args.weights, args.class_indices, torch.device("cpu"), args.model)  # spawn: checked once
+    print(f"Starting {world_size} processes; they meet at {choose_meeting_point()}", file=sys.stderr)
+    run_workers(worker, (args, images), world_size)  # spawn: worker(rank, ...) in each new process
+
+
+@entry_point
+@report_failures
+def worker(rank: int, args, images: list[Path]) -> None:
+    predict_here(rank, args, images)
+
+
+def predict_here(rank: int | None, args, images: list[Path]) -> None:
+    # DDP: join the process group: spawn passes the rank, torchrun sets it in the environment (alone: no group)
+    process = join_group(args.device, rank, args.world_size)
+    try:
+        predict(args, images, process)
+    finally:
+        cleanup()  # DDP: leave the process group
+
+
+def predict(args, images: list[Path], process) -> None:
+    trained = load_trained_model(args.weights, args.class_indices, process.device, args.model)
+    topk, labels = min(args.topk, len(trained.classes)), [UNKNOWN] * len(images)
+    # DDP: this process scores images rank, rank + world size, ...: every image once, none padded
+    shard = val_shard(images, process.rank, process.world_size)
+    loader = image_loader(trained, args, images, labels, shard, process.local_world_size)
+    start, unreadable = time.perf_counter(), 0
+    progress = "predict" if args.results else None  # without --results, the lines show the progress
+    # DDP: rank 0 gathers every batch, in the order of the images, and alone prints and writes them
+    with torch.inference_mode(), results_file(args.results, topk, enabled=is_main_process()) as results:
+        for batch in scored_batches(trained, loader, len(images), process.world_size, args.tta, progress=progress):
+            rows = rows_of(batch, images, labels, trained.classes, topk)
+            results.write(rows)
+            unreadable += sum(row.unreadable is not None for row in rows)
+            if args.results is None:
+                print("\n".join(row.line() for row in rows), flush=True)
+    if args.results is not None and is_main_process():
+        print(f"Wrote {args.results}: {results.rows} rows, {speed(len(images), time.perf_counter() - start, process)}")
+    if unreadable:
+        where = "rows" if args.results else "lines"
+        print(f"warning: {unreadable} image(s) could not be read; their {where} say why", file=sys.stderr)
+
+
+def speed(images: int, seconds: float, process) -> str:
+    """E.g. "scored in 2.5 s (24.0 images/s, 2 processes)": tools/benchmark.py reads it."""
+    processes = f"{process.world_size} process{'es' * (process.world_size > 1)}"
+    return f"scored in {seconds:.1f} s ({images / seconds:.1f} images/s, {processes})"
 
 
 if __name__ == "__main__":
-    main()
+    record(main)()  # DDP: under torchrun, a crash's traceback goes to torchrun's error file, naming its rank

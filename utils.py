@@ -109,12 +109,22 @@ def write_atomically(path, write, binary: bool = False, size: int | None = None)
     raises OutputError naming the file, the reason and, when space ran out, the space free and needed (`size`
     bytes, if the caller knows it); the temporary file is removed and `path` is untouched.
     """
+    with atomic_file(path, binary, size) as f:
+        write(f)
+
+
+@contextlib.contextmanager
+def atomic_file(path, binary: bool = False, size: int | None = None):
+    """write_atomically for a file written bit by bit: yields the temporary file, open (text in UTF-8, or
+    `binary`), to write as the block goes on; it replaces `path` when the block ends. If the block ends by an
+    exception (a failure, Ctrl-C, a SystemExit), the temporary file is removed and `path` is untouched. So
+    predict.py streams its results into a file that appears whole, or not at all."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb" if binary else "w") as f:
-            write(f)
+        with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

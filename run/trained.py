@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from dataset.transforms import val_transform
 from machine import use_cores
 from model import create_model, head_classes, load_weights, read_state_dict
+from multi_train_utils.stop_and_resume import ignore_stop_signals
 from my_dataset import MyDataSet
 from recipe.config import Config
 from recipe.precision import Compute, choose_compute
@@ -163,14 +164,20 @@ def add_run_overrides(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def image_loader(trained: TrainedModel, args, images: list, labels: list) -> DataLoader:
-    """Batches of (images as the run validated them: resized and centre-cropped, labels), in the given order."""
+def image_loader(
+    trained: TrainedModel, args, images: list, labels: list, shard=None, processes_here: int = 1
+) -> DataLoader:
+    """Batches of (images as the run validated them: resized and centre-cropped, labels), in the given order;
+    with `shard` (val_shard's positions), those of its images alone, for one of `processes_here` processes
+    sharing this machine's cores."""
     img_size = trained.setting("img_size", args.img_size)
     batch_size = trained.setting("batch_size", args.batch_size)
-    workers = use_cores(trained.device, 1, batch_size, args.workers)  # as one training process has
+    workers = use_cores(trained.device, processes_here, batch_size, args.workers)  # as a training process has
     return DataLoader(
         MyDataSet(images, labels, val_transform(img_size)),
         batch_size=batch_size,
+        sampler=shard,
         num_workers=workers,
         pin_memory=trained.device.type == "cuda",
+        worker_init_fn=ignore_stop_signals,  # a stop signal is for the process they load for to act on
     )

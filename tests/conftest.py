@@ -303,6 +303,7 @@ LONGEST_FIRST = (
     "test_training.py",  # 130 s, trained_run, torchrun_run and spawn_run included (files after it share them)
     "test_preemption.py",  # 105 s, with reference_run, torchrun_run and spawn_run
     "test_multinode.py",  # 95 s, with torchrun_run
+    "test_scoring.py",  # 80 s, with torchrun_run: predict.py and evaluate.py launched under torchrun and spawn
     "test_recipe_runs.py",  # 80 s
     "test_equivalence.py",  # 70 s
     "test_portability.py",  # 60 s

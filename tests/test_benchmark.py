@@ -131,8 +131,35 @@ def test_a_benchmark_stopped_midway_leaves_the_rows_it_finished(tiny_data, tmp_p
     assert stopped.value.code == 2
     results = json.loads((out / "benchmark.json").read_text())
     assert [row["kind"] for row in results["rows"]] == ["model-only", "model-only", "auto"]
-    assert results["complete"] is False and results["settings"]["rows"] == list(benchmark.KINDS[:6])
+    assert results["complete"] is False
+    skipped = ("torchrun", "spawn", "demo")  # --skip-ddp, --skip-demo
+    assert results["settings"]["rows"] == [kind for kind in benchmark.KINDS if kind not in skipped]
     assert not list(out.glob(".benchmark.json.*"))  # written by renaming a whole file over it: no partial file left
+
+
+@pytest.mark.fast
+def test_predict_is_measured_last_in_one_process_and_under_torchrun_beside_the_training_ceiling(
+    tiny_data, tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "bench"
+    fake_measurements(monkeypatch, out)
+    commands = []
+
+    def run_predict(args, name, script):
+        commands.append(script)
+        return {"img_per_sec": 300.0 if name == "predict-1" else 240.0, "run_seconds": 5.0}
+
+    monkeypatch.setattr(benchmark, "run_predict", run_predict)
+    monkeypatch.setattr(benchmark, "as_run", lambda args, name, peaks: ("float32, NCHW", 1e12))  # auto's, faked
+    benchmark.main(small_benchmark(tiny_data, out, "--rows", "model-only,predict"))
+    rows = json.loads((out / "benchmark.json").read_text())["rows"]
+    assert [row["kind"] for row in rows] == ["model-only"] * 3 + ["auto", "predict", "predict"]
+    assert [(row["processes"], row["training_step_img_per_sec"]) for row in rows[-2:]] == [(1, 100.0), (2, 100.0)]
+    assert commands[0][-1].endswith("predict.py") and commands[1][:2] == ["-m", "torch.distributed.run"]
+    assert (
+        "predict.py: 300.0 img/s in one process, 0.80x that with 2 processes; 3.0x the training step's model-only "
+        "ceiling (100.0 img/s) (no target)"
+    ) in capsys.readouterr().out
 
 
 @pytest.mark.fast

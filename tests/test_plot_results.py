@@ -109,15 +109,16 @@ def test_the_benchmark_chart_labels_each_bar_and_says_where_it_was_measured(tmp_
 
 
 @pytest.mark.fast
-def test_the_loader_and_demo_rows_have_a_panel_of_their_own_below_the_training_rows(tmp_path):
+def test_the_loader_demo_and_predict_rows_have_a_panel_of_their_own_below_the_training_rows(tmp_path):
     apart = [
         {"name": "loader, 1 worker", "kind": "loader", "processes": 1, "img_per_sec": 861.1},
         {"name": "demo", "kind": "demo", "processes": 1, "img_per_sec": 156.7},
     ]
-    fig = plot_benchmark({**BENCHMARK, "rows": [*BENCHMARK["rows"][:2], *apart, BENCHMARK["rows"][2]]})
+    scored = {"name": "predict.py, 1 process", "kind": "predict", "processes": 1, "img_per_sec": 97.5}
+    fig = plot_benchmark({**BENCHMARK, "rows": [*BENCHMARK["rows"][:2], *apart, BENCHMARK["rows"][2], scored]})
     top, below = fig.axes
     assert [bar.get_width() for bar in top.patches] == [29.4, 9.8, 17.3]  # the training rows, in their order
-    assert [bar.get_width() for bar in below.patches] == [861.1, 156.7]
+    assert [bar.get_width() for bar in below.patches] == [861.1, 156.7, 97.5]
     assert top.get_xlim()[1] < 40 and "Intel Xeon" in top.get_title()
 
 

@@ -141,13 +141,25 @@ def test_a_path_that_does_not_exist_is_one_line_and_exit_2(trained_run, tmp_path
     assert_user_error(result, f"{tmp_path / 'absent.jpg'} does not exist")
 
 
-def test_unreadable_images_and_empty_folders_are_refused_by_name(trained_run, tmp_path):
-    weights = trained_run[0] / "weights" / "best.pth"
-    (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 half a JPEG")
-    assert "cannot read 1 image(s)" in user_error(tmp_path / "broken.jpg", "--weights", weights)
-    assert str(tmp_path / "broken.jpg") in user_error(tmp_path / "broken.jpg", "--weights", weights)
+def test_an_unreadable_image_is_reported_in_its_line_and_the_others_are_scored(
+    trained_run, validation_images, tmp_path, capsys
+):
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8\xff\xe0 half a JPEG")
+    images = [validation_images[0][0], str(broken), validation_images[0][1]]
+    predict.main([*images, "--weights", str(trained_run[0] / "weights" / "best.pth")])  # in this process
+    printed = capsys.readouterr()
+    lines = printed.out.splitlines()
+    assert [line.split(": ", 1)[0] for line in lines] == images  # in order, each once
+    assert lines[1].startswith(f"{broken}: unreadable (") and "Truncated" in lines[1]  # why, as PIL says it
+    assert len(parse_predictions("\n".join(lines[::2]))[images[0]]) == 3
+    assert "warning: 1 image(s) could not be read; their lines say why" in printed.err
+
+
+def test_an_empty_folder_is_refused_by_name(trained_run, tmp_path):
     (tmp_path / "empty" / "sub").mkdir(parents=True)
-    assert f"folder {tmp_path / 'empty'} holds no images" in user_error(tmp_path / "empty", "--weights", weights)
+    message = user_error(tmp_path / "empty", "--weights", trained_run[0] / "weights" / "best.pth")
+    assert f"folder {tmp_path / 'empty'} holds no images" in message
 
 
 def test_weights_for_another_number_of_classes_are_refused_naming_both_counts(trained_run, validation_images, tmp_path):

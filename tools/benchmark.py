@@ -30,6 +30,9 @@ their kind (benchmark.json's "kind"; --rows picks kinds, default all):
   torchrun, spawn   the two DDP launch scripts with --nprocs processes, auto as in the auto row (--skip-ddp: none)
   demo           train_single_gpu.py --demo, its first run (--skip-demo: none): the demo's time and accuracy, and
                  what auto's measuring cost at the demo's size
+  predict        predict.py on every image of the data with auto's weights, precision and layout, into a results
+                 file: in one process, and with --nprocs under torchrun; images per second as predict.py reports
+                 them, beside the training step's model-only ceiling (the first model-only row, if measured)
 The rows without a loader time --steps steps after 3 untimed ones, the device synchronised before the clock starts
 and before it stops. End-to-end figures come from the runs' own metrics.jsonl: training images per second and
 epoch wall time (training and validation) averaged over the epochs after the first, which pays one-off start-up
@@ -91,7 +94,7 @@ from utils import Parser, UserError, entry_point, number, write_json  # noqa: E4
 FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
 # The fixed configurations auto is compared with: --amp, channels_last
 # The kinds of row, in the order of the table (see the docstring)
-KINDS = ("model-only", "loop", "loader", "baseline", "fixed", "auto", "torchrun", "spawn", "demo")
+KINDS = ("model-only", "loop", "loader", "baseline", "fixed", "auto", "torchrun", "spawn", "demo", "predict")
 TABLE_HEADER = (
     "| configuration | processes | precision, layout | img/s | × baseline | % of peak | epoch (s) "
     "| first epoch (s) | peak RSS / process (MiB) |\n|---|---:|---|---:|---:|---:|---:|---:|---:|"
@@ -631,6 +634,54 @@ def as_run(args, name: str, peaks: dict) -> tuple[str, float]:
     return described(compute), peaks[peak_name(compute.amp_dtype)]
 
 
+def predict_rows(args, nprocs: int, peaks: dict, measured: list[dict]):
+    """predict.py after training (if --rows has it): in one process, then with --nprocs under torchrun, on every
+    image of the data with auto's weights, each row yielded as soon as it is measured. Beside each, the training
+    step's model-only ceiling, from the rows `measured` so far: what scoring an image costs against learning it."""
+    if "predict" not in args.rows:
+        return
+    ceiling = next((row["img_per_sec"] for row in measured if row["kind"] == "model-only"), None)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
+    for processes, launcher in ((1, []), (nprocs, torchrun)):
+        name = f"predict.py, {processes} process{'es' * (processes > 1)}" + (", torchrun" if launcher else "")
+        figures = run_predict(args, f"predict-{processes}", [*launcher, str(ROOT / "predict.py")])
+        figures["training_step_img_per_sec"] = ceiling
+        yield row(name, "predict", processes, as_run(args, "auto", peaks)[0], figures)
+
+
+def run_predict(args, name: str, script: list) -> dict:
+    """predict.py (`script`: what follows `python`) with auto's best weights on the benchmark's data, into a
+    results file; its speed from the line it ends with ("... (24.0 images/s, ...)")."""
+    weights = args.output_dir / "runs" / "auto" / "weights" / "best.pth"
+    results, log = args.output_dir / "runs" / f"{name}.csv", args.output_dir / "logs" / f"{name}.log"
+    command = [sys.executable, *script, str(args.data_path), "--weights", str(weights), "--results", str(results)]
+    command += ["--device", args.device]
+    print(f"  {name}: {' '.join(command[1:])}", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        result = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    speed = re.search(r"\(([\d.]+) images/s", log.read_text())
+    if result.returncode != 0 or speed is None:
+        raise UserError(f"{name} failed (exit status {result.returncode}); see {log}")
+    return {"img_per_sec": float(speed[1]), "run_seconds": time.perf_counter() - start}
+
+
+def predict_figures(rows: list[dict]) -> list[str]:
+    """predict.py's speed in one process and in several, and against the training step's model-only ceiling
+    (no targets)."""
+    predicted = rows_of(rows, "predict")
+    if not predicted:
+        return ["predict.py: not measured"]
+    single, *several = predicted
+    line = f"predict.py: {single['img_per_sec']:.1f} img/s in one process"
+    for other in several:
+        line += f", {other['img_per_sec'] / single['img_per_sec']:.2f}x that with {other['processes']} processes"
+    if single["training_step_img_per_sec"]:
+        line += f"; {single['img_per_sec'] / single['training_step_img_per_sec']:.1f}x the training step's model-only"
+        line += f" ceiling ({single['training_step_img_per_sec']:.1f} img/s)"
+    return [line + " (no target)"]
+
+
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
@@ -668,6 +719,7 @@ def main(argv=None):
         in_memory_rows(args, compute, peaks, flops),
         loader_rows(args, split, workers),
         script_rows(args, workers, nprocs, peaks, flops),
+        predict_rows(args, nprocs, peaks, benchmark["rows"]),
     )
     for measured in measured_rows:  # each row measured, then recorded, before the next starts
         record(benchmark, measured, results)
@@ -722,7 +774,7 @@ def report(benchmark: dict, args, results: Path, native_bf16: bool) -> None:
     plot_benchmark(benchmark, args.output_dir / "benchmark.png")
     print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
     print(markdown_table(rows))
-    print("\n" + "\n".join(against_targets(rows, native_bf16) + auto_targets(rows)))
+    print("\n" + "\n".join(against_targets(rows, native_bf16) + auto_targets(rows) + predict_figures(rows)))
     print(f"\nWrote {results} and {args.output_dir / 'benchmark.png'}")
 
 

@@ -1,0 +1,159 @@
+"""The results file of predict.py and evaluate.py: one row per image, in the order of the images, as CSV or JSON
+Lines (the file's name says which).
+
+A row holds the image's path, its true class where it is known (evaluate.py's images; empty for predict.py's), its
+top-k classes, likeliest first, with their probabilities, and, for an image that could not be read, why (its
+classes then empty). The rows stream into a temporary file beside the results file as they are scored, and that
+file is renamed over it at the end (utils.atomic_file): memory holds one batch of rows however many images there
+are, and a run stopped midway leaves the whole file or none.
+"""
+
+import argparse
+import contextlib
+import csv
+import json
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from multi_train_utils.stop_and_resume import STOP_SIGNALS
+from utils import UserError, atomic_file, check_writable, positive_int
+
+FORMATS = (".csv", ".jsonl")
+DECIMALS = 6  # of each probability: 1e-6 is far below any difference between two classes worth reading
+
+
+@dataclass
+class Row:
+    """One image's line of the results: its top classes, likeliest first, as (name, probability), or, if it could
+    not be read, why (`unreadable`, and no classes)."""
+
+    path: str
+    true_class: str | None
+    top: list[tuple[str, float]]
+    unreadable: str | None = None
+
+    def line(self) -> str:
+        """What predict.py prints for it: `photo.jpg: daisy 0.998, roses 0.001, tulips 0.001`."""
+        if self.unreadable is not None:
+            return f"{self.path}: unreadable ({self.unreadable})"
+        return f"{self.path}: " + ", ".join(f"{name} {probability:.3f}" for name, probability in self.top)
+
+
+def results_path(text: str) -> Path:
+    """An argparse type: a results file whose name ends in .csv or .jsonl."""
+    path = Path(text)
+    if path.suffix.lower() not in FORMATS:
+        raise argparse.ArgumentTypeError(f"{text}: name a .csv or a .jsonl file (its format follows the name)")
+    return path
+
+
+def add_results_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--results",
+        type=results_path,
+        metavar="FILE",
+        help="write one row per image to FILE, .csv or .jsonl: its path, true class where known, top classes with "
+        "their probabilities, or why it could not be read (see docs/trained-models.md)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace the --results file if it exists")
+    parser.add_argument(
+        "--topk", type=positive_int, default=3, help="classes per image, likeliest first (at most all of them)"
+    )
+
+
+def check_results_file(path: Path | None, force: bool) -> None:
+    """UserError, before anything is computed, unless `path` (--results) can be written: not a folder, not an
+    existing file (without --force: nothing is replaced unasked, as export.py's output), in a folder that can be
+    made or written to."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UserError(f"--results {path} is a folder: name a .csv or .jsonl file")
+    if path.exists() and not force:
+        raise UserError(f"{path} exists: name another --results, or pass --force to replace it")
+    check_writable(path.parent)
+
+
+class ResultsWriter:
+    """Writes rows to an open text file, CSV or JSON Lines."""
+
+    def __init__(self, file, topk: int, jsonl: bool):
+        self.file, self.topk, self.jsonl, self.rows = file, topk, jsonl, 0
+        if not jsonl:
+            self.csv = csv.writer(file, lineterminator="\n")
+            ranked = [f"{column}_{rank}" for rank in range(1, topk + 1) for column in ("class", "probability")]
+            self.csv.writerow(["path", "true_class", *ranked, "unreadable"])
+
+    def write(self, rows: list[Row]) -> None:
+        for row in rows:
+            probabilities = [round(probability, DECIMALS) for _, probability in row.top]
+            names = [name for name, _ in row.top]
+            if self.jsonl:
+                record = {"path": row.path, "true_class": row.true_class, "classes": names,
+                          "probabilities": probabilities, "unreadable": row.unreadable}  # fmt: skip
+                self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                ranked = [value for pair in zip(names, probabilities, strict=True) for value in pair]
+                ranked += [""] * (2 * self.topk - len(ranked))  # an unreadable image's classes: empty
+                self.csv.writerow([row.path, row.true_class or "", *ranked, row.unreadable or ""])
+        self.rows += len(rows)
+
+
+class NoResults:
+    """Where the rows go without --results, and on every process but rank 0: nowhere."""
+
+    rows = 0
+
+    def write(self, rows: list[Row]) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def results_file(path: Path | None, topk: int, enabled: bool = True):
+    """A ResultsWriter for `path` (--results), written atomically: the file appears when the block ends without
+    an exception, and a stop signal unwinds the block as an exception does. Without a path, or not `enabled` (a
+    process that is not rank 0), a writer that writes nothing."""
+    if path is None or not enabled:
+        yield NoResults()
+        return
+    with unwinding_on_stop_signals(), atomic_file(path) as file:
+        yield ResultsWriter(file, topk, jsonl=path.suffix.lower() == ".jsonl")
+
+
+@contextlib.contextmanager
+def unwinding_on_stop_signals():
+    """Inside, a stop signal (SIGTERM, SIGUSR1: a preemption, a time limit, torchrun or spawn stopping a job)
+    ends the process with SystemExit(128 + the signal) where it is, instead of on the spot: the blocks it is in
+    unwind, so that a results file being written is removed, not left half written (utils.atomic_file)."""
+    if threading.current_thread() is not threading.main_thread():  # Python runs handlers in the main thread alone
+        yield
+        return
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda received, frame: sys.exit(128 + received))
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def read_results(path: Path) -> list[dict]:
+    """The rows of a results file, CSV or JSON Lines, each as JSON Lines writes it: {"path", "true_class",
+    "classes", "probabilities", "unreadable"} (None where a CSV cell is empty)."""
+    with open(path, encoding="utf-8", newline="") as file:
+        if path.suffix.lower() == ".jsonl":
+            return [json.loads(line) for line in file]
+        rows = []
+        for cells in csv.DictReader(file):
+            ranks = range(1, sum(key.startswith("class_") for key in cells) + 1)
+            ranked = [(cells[f"class_{r}"], cells[f"probability_{r}"]) for r in ranks if cells[f"class_{r}"]]
+            rows.append({
+                "path": cells["path"], "true_class": cells["true_class"] or None,
+                "classes": [name for name, _ in ranked], "probabilities": [float(p) for _, p in ranked],
+                "unreadable": cells["unreadable"] or None,
+            })  # fmt: skip
+        return rows

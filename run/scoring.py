@@ -1,0 +1,178 @@
+"""Scoring images with a trained model in every process of a job, as predict.py and evaluate.py do: each process
+scores its shard of the images (val_shard: images rank, rank + world size, ...), and rank 0 gathers each batch from
+all of them in the order of the images, so that it sees every image once, in input order, whatever the world size.
+
+Started with plain python, a tool forms no process group and scores every image itself, as it always has.
+"""
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dataset.images import image_problem
+from multi_train_utils.bookkeeping import Tally, progress_bar
+from multi_train_utils.distributed_utils import (
+    Process,
+    get_rank,
+    init_distributed_mode,
+    launcher_environment,
+    single_process,
+)
+from multi_train_utils.spawn_utils import spawn_world_size
+from my_dataset import SKIPPED
+from run.results import Row
+from run.trained import TrainedModel
+from utils import UserError, positive_int
+
+UNKNOWN = -1  # the label of an image whose true class is not known (predict.py's)
+
+
+def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of predict.py and evaluate.py alike that say how the images are scored."""
+    parser.add_argument(
+        "--tta",
+        action="store_true",
+        help="test-time augmentation: each image's probabilities averaged with its mirror image's (twice the work)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=positive_int,
+        help="start this many processes with torch.multiprocessing.spawn, each scoring its share of the images "
+        "(under torchrun, leave it out: --nproc_per_node says how many)",
+    )
+
+
+def join_group(device: str | None, rank: int | None = None, world_size: int | None = None) -> Process:
+    """This process's place in the job. Spawn passes `rank` and `world_size`; torchrun sets them in the
+    environment: either way, the process joins the group (init_distributed_mode). A process started alone with
+    plain python forms no group: one process has no one to gather from, and no backend serves a Mac's GPU."""
+    if rank is None and launcher_environment() is None:
+        return single_process(device)
+    return init_distributed_mode(device, rank=rank, world_size=world_size)
+
+
+def spawned_world_size(requested: int, device: str | None) -> int:
+    """--world-size: how many processes spawn starts, checked against the GPUs (spawn_world_size); refused under
+    torchrun, which has started the processes already."""
+    if launcher_environment() is not None:
+        raise UserError("--world-size starts processes with spawn; under torchrun, --nproc_per_node says how many")
+    return spawn_world_size(requested, device)
+
+
+@dataclass
+class ScoredBatch:
+    """Consecutive images, scored: the position of the first among all the images, each one's class
+    probabilities (float32, on the host), and whether each could be read (an unreadable one was scored as a
+    blank image: its probabilities mean nothing)."""
+
+    start: int
+    probabilities: torch.Tensor
+    readable: list[bool]
+
+
+def scored_batches(
+    trained: TrainedModel, loader, count: int, world_size: int, tta=False, tally: Tally | None = None, progress=None
+):
+    """The class probabilities of all `count` images, batch after batch in the order of the images (ScoredBatch),
+    on rank 0; the other processes score their shards for it and yield nothing.
+
+    `loader` gives this process's shard (val_shard) in batches of B. At each step every process scores its next
+    batch (an empty one past its last: shards differ by an image at most, and one can be empty) and rank 0
+    gathers them. Row j of rank r's batch k is image N (kB + j) + r, with N the world size: so the gathered rows,
+    taken j by j and rank by rank within each j, are images kNB, kNB + 1, ... in order, and the padding that
+    evens out the last batches comes after the last image, where it is cut off. With `tally`
+    (bookkeeping.Tally), this process's batches are counted in it too, as evaluate() counts them. `progress`:
+    the description of a progress bar, on rank 0.
+
+    A gathered batch travels to the host while the next one computes, and is yielded then: on a GPU the host
+    never waits for the batch it has just queued.
+    """
+    device, batch_size = trained.device, loader.batch_size
+    steps = math.ceil(math.ceil(count / world_size) / batch_size)  # rank 0's batches: its shard is the longest
+    batches, on_the_way = iter(loader), None
+    for step in progress_bar(range(steps), progress, leave=False) if progress else range(steps):
+        images, labels = next(batches, (None, None))
+        if images is None:  # this shard has ended; the others' have not
+            scores = torch.empty(0, len(trained.classes), device=device)
+            labels = torch.empty(0, dtype=torch.long, device=device)
+        else:
+            scores = log_probabilities(trained, images, tta)
+            labels = labels.to(device, non_blocking=device.type == "cuda")
+        if tally is not None:
+            tally.add(scores, labels)  # log-probabilities rank the classes as the logits do
+        gathered = gathered_in_order(scores.exp(), labels != SKIPPED, batch_size, world_size)
+        if gathered is None:
+            continue
+        start = step * world_size * batch_size
+        if on_the_way is not None:
+            yield on_the_way.arrived()
+        on_the_way = OnTheWay(start, gathered[: count - start])
+    if on_the_way is not None:
+        yield on_the_way.arrived()
+
+
+def log_probabilities(trained: TrainedModel, images: torch.Tensor, tta: bool) -> torch.Tensor:
+    """A batch's class log-probabilities (float32, on the device), computed in the run's precision and memory
+    layout; with `tta`, those of the mean of the probabilities of each image and its mirror image."""
+    compute, device, model = trained.compute, trained.device, trained.model
+    batch = compute.batch_to(images, device)  # 8-bit on the way, normalised on the device
+    with compute.autocast(device):
+        logits = model(batch)
+        mirrored = model(compute.batch_to(batch.flip(-1), device)) if tta else None  # batch_to: keep the layout
+    scores = logits.float().log_softmax(dim=1)
+    if tta:  # log((p + q) / 2), without taking p and q out of logarithms, where small ones would round to 0
+        scores = torch.logaddexp(scores, mirrored.float().log_softmax(dim=1)) - math.log(2)
+    return scores
+
+
+def gathered_in_order(probabilities: torch.Tensor, readable: torch.Tensor, batch_size: int, world_size: int):
+    """On rank 0, every process's batch (`probabilities` of its images, and whether each was `readable`) as rows of
+    [probabilities, readable], world_size * batch_size of them, in the order of the images (see scored_batches);
+    None on the other ranks. Each batch is padded to batch_size rows: gather takes tensors of one size."""
+    payload = torch.zeros(batch_size, probabilities.shape[1] + 1, device=probabilities.device)
+    payload[: len(probabilities), :-1] = probabilities
+    payload[: len(probabilities), -1] = readable
+    if world_size == 1:
+        return payload
+    parts = [torch.empty_like(payload) for _ in range(world_size)] if get_rank() == 0 else None
+    dist.gather(payload, parts, dst=0)
+    return None if parts is None else torch.stack(parts, dim=1).flatten(0, 1)  # j by j, rank by rank
+
+
+class OnTheWay:
+    """A gathered batch on its way to the host: on a GPU the copy is queued behind the batch's work, and
+    `arrived` waits for it alone (a step later, when it has long arrived)."""
+
+    def __init__(self, start: int, rows: torch.Tensor):
+        self.start, self.ready = start, None
+        if rows.device.type == "cuda":
+            self.rows = rows.to("cpu", non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.rows = rows.cpu()
+
+    def arrived(self) -> ScoredBatch:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return ScoredBatch(self.start, self.rows[:, :-1], self.rows[:, -1].bool().tolist())
+
+
+def rows_of(batch: ScoredBatch, images: list, labels: list[int], classes: list[str], topk: int) -> list[Row]:
+    """The results rows of a scored batch: each image's path, its true class (none where its label is UNKNOWN),
+    its `topk` likeliest classes; for an image that could not be read, why (decoded again here, on rank 0: the
+    process whose shard it was only marked it)."""
+    top = batch.probabilities.topk(topk, dim=1)
+    rows = []
+    for offset, (values, indices) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True)):
+        position = batch.start + offset
+        path, label = images[position], labels[position]
+        true_class = None if label == UNKNOWN else classes[label]
+        if batch.readable[offset]:
+            rows.append(Row(str(path), true_class, [(classes[c], p) for c, p in zip(indices, values, strict=True)]))
+        else:
+            rows.append(Row(str(path), true_class, [], image_problem(path) or "could not be read"))
+    return rows
