@@ -123,22 +123,34 @@ class StepTotals:
 
     def __init__(self, loss_sum: torch.Tensor, counts: list, device: torch.device):
         counts = torch.tensor(counts, dtype=torch.float64).to(device, non_blocking=True)
-        self.values = torch.cat([loss_sum.detach().double().reshape(1), counts])
-        self.work = all_reduce_in_background(self.values)
-        self.ready = None
-        if device.type == "cuda":
-            if self.work is not None:
-                self.work.wait()  # on a GPU: the copy below waits for the all-reduce on the device, not the host
-            self.values = self.values.to("cpu", non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record(torch.cuda.current_stream(device))  # the stream of the step's device, whichever it is
+        values = torch.cat([loss_sum.detach().double().reshape(1), counts])
+        self.work = all_reduce_in_background(values)
+        if device.type == "cuda" and self.work is not None:
+            self.work.wait()  # on a GPU: the copy to the host waits for the all-reduce on the device, not the host
+            self.work = None
+        self.values = ToHost(values)
 
     def get(self) -> list[float]:
+        if self.work is not None:
+            self.work.wait()
+        return self.values.arrived().tolist()
+
+
+class ToHost:
+    """A tensor on its way to the host: from a GPU, the copy (to pinned memory) is queued behind the work on the
+    tensor's device, and `arrived` waits for that copy alone; a tensor on the host is already there."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.ready = tensor, None
+        if tensor.device.type == "cuda":
+            self.tensor = tensor.to("cpu", non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(tensor.device))  # the stream of its GPU, whichever it is
+
+    def arrived(self) -> torch.Tensor:
         if self.ready is not None:
             self.ready.synchronize()
-        elif self.work is not None:
-            self.work.wait()
-        return self.values.tolist()
+        return self.tensor
 
 
 def check_step(step_totals: list[float], totals: list[float], epoch: int, max_skipped) -> int | None:

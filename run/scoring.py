@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dataset.images import image_problem
-from multi_train_utils.bookkeeping import Tally, progress_bar
+from multi_train_utils.bookkeeping import Tally, ToHost, progress_bar
 from multi_train_utils.distributed_utils import (
     Process,
     get_rank,
@@ -108,10 +108,10 @@ def scored_batches(
             continue
         start = step * world_size * batch_size
         if on_the_way is not None:
-            yield on_the_way.arrived()
-        on_the_way = OnTheWay(start, gathered[: count - start])
+            yield scored(*on_the_way)
+        on_the_way = start, ToHost(gathered[: count - start])
     if on_the_way is not None:
-        yield on_the_way.arrived()
+        yield scored(*on_the_way)
 
 
 def log_probabilities(trained: TrainedModel, images: torch.Tensor, tta: bool) -> torch.Tensor:
@@ -142,23 +142,11 @@ def gathered_in_order(probabilities: torch.Tensor, readable: torch.Tensor, batch
     return None if parts is None else torch.stack(parts, dim=1).flatten(0, 1)  # j by j, rank by rank
 
 
-class OnTheWay:
-    """A gathered batch on its way to the host: on a GPU the copy is queued behind the batch's work, and
-    `arrived` waits for it alone (a step later, when it has long arrived)."""
-
-    def __init__(self, start: int, rows: torch.Tensor):
-        self.start, self.ready = start, None
-        if rows.device.type == "cuda":
-            self.rows = rows.to("cpu", non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.rows = rows.cpu()
-
-    def arrived(self) -> ScoredBatch:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return ScoredBatch(self.start, self.rows[:, :-1], self.rows[:, -1].bool().tolist())
+def scored(start: int, on_the_way: ToHost) -> ScoredBatch:
+    """The ScoredBatch of gathered rows ([probabilities, readable], on their way to the host) whose first is image
+    `start`, once they have arrived."""
+    rows = on_the_way.arrived()
+    return ScoredBatch(start, rows[:, :-1], rows[:, -1].bool().tolist())
 
 
 def rows_of(batch: ScoredBatch, images: list, labels: list[int], classes: list[str], topk: int) -> list[Row]:
