@@ -1,5 +1,6 @@
 """What this machine computes natively, as torch will use it: the processor's name, cores and instruction set,
-and whether it has bfloat16 arithmetic.
+and whether it has bfloat16 arithmetic; and the memory a run may use (the least of its cgroup's limit, SLURM's
+allocation and the machine's memory).
 
 Torch picks its CPU kernels at start-up from the instruction set it detects, and two environment variables cap
 that choice: ATEN_CPU_CAPABILITY for torch's own kernels (e.g. `avx2`), ONEDNN_MAX_CPU_ISA for oneDNN's
@@ -11,6 +12,7 @@ and why every decision here reads the caps, not only what the processor could do
 import os
 import platform
 import subprocess
+from pathlib import Path
 
 import torch
 
@@ -72,6 +74,78 @@ def physical_memory() -> int | None:
         if ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
             return status.total
     return None
+
+
+# cgroup v1 writes "no limit" as the largest 64-bit number its page size divides (9223372036854771712): any limit
+# this large is none
+NO_CGROUP_LIMIT = 2**62
+
+
+def memory_limit(root: Path = Path("/")) -> tuple[int | None, str]:
+    """(the memory this process may use, in bytes; where that number comes from, a phrase for a message): the
+    smallest of its cgroup's limit (a container's, a SLURM job's, a systemd service's), SLURM's allocation on this
+    node and the machine's memory; (None, why) where none of them is known. `root` is where /proc and /sys are
+    found; Windows and macOS have neither, and no cgroups: there, the machine's memory."""
+    limits = [*cgroup_memory_limits(root), *slurm_memory_limits(os.environ)]
+    physical = physical_memory()
+    limits += [(physical, "the machine's memory")] if physical else []
+    return min(limits, key=lambda limit: limit[0], default=(None, "this system does not say its memory"))
+
+
+def cgroup_memory_limits(root: Path) -> list[tuple[int, str]]:
+    """The memory limits set on this process's cgroups and on those above them (cgroup v2's memory.max, v1's
+    memory.limit_in_bytes), each with its file; none where /proc/self/cgroup cannot be read. A cgroup's path in
+    /proc/self/cgroup may not exist in a container's view of /sys/fs/cgroup, whose top is the container's own
+    cgroup: the files that do not exist are passed over."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        _, _, entry = line.partition(":")
+        controllers, _, cgroup = entry.partition(":")
+        if controllers == "":  # cgroup v2: "0::/path"
+            limits += limits_above(root / "sys/fs/cgroup", cgroup, "memory.max")
+        elif "memory" in controllers.split(","):  # cgroup v1: "4:memory:/path"
+            limits += limits_above(root / "sys/fs/cgroup/memory", cgroup, "memory.limit_in_bytes")
+    return limits
+
+
+def limits_above(mount: Path, cgroup: str, name: str) -> list[tuple[int, str]]:
+    """The limits in the file `name` of `cgroup` (a path under `mount`) and of every cgroup above it, with the
+    file each comes from; "max" (v2) or a huge number (v1) is no limit."""
+    parts = [part for part in cgroup.split("/") if part]
+    limits = []
+    for depth in range(len(parts), -1, -1):
+        path = mount.joinpath(*parts[:depth], name)
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < NO_CGROUP_LIMIT:
+            limits.append((int(text), f"the cgroup limit in {path}"))
+    return limits
+
+
+def slurm_memory_limits(env) -> list[tuple[int, str]]:
+    """SLURM's allocation of memory on this node, in bytes, with its variables: --mem (SLURM_MEM_PER_NODE, in MiB;
+    0 asks for the whole node's) or --mem-per-cpu (SLURM_MEM_PER_CPU) times the CPUs allocated on this node
+    (SLURM_CPUS_ON_NODE; without it, this task's SLURM_CPUS_PER_TASK); none outside SLURM."""
+    per_node, per_cpu = whole_number(env, "SLURM_MEM_PER_NODE"), whole_number(env, "SLURM_MEM_PER_CPU")
+    if per_node:
+        return [(per_node * 2**20, "SLURM's --mem, SLURM_MEM_PER_NODE")]
+    cpus_variable = "SLURM_CPUS_ON_NODE" if whole_number(env, "SLURM_CPUS_ON_NODE") else "SLURM_CPUS_PER_TASK"
+    cpus = whole_number(env, cpus_variable)
+    if per_cpu and cpus:
+        return [(per_cpu * cpus * 2**20, f"SLURM's --mem-per-cpu x {cpus} CPUs, SLURM_MEM_PER_CPU x {cpus_variable}")]
+    return []
+
+
+def whole_number(env, name: str) -> int | None:
+    """The environment variable `name` as a whole number; None where it is not set or not a number."""
+    text = env.get(name, "").strip()
+    return int(text) if text.isdigit() else None
 
 
 def cpu_name() -> str:

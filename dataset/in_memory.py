@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from dataset.images import decoded_size, load_rgb
-from machine import cores_per_process, physical_memory
+from machine import cores_per_process, memory_limit
 
 
 class DecodedImages:
@@ -34,17 +34,15 @@ class DecodedImages:
 
 def decode_once(sets: list, gigabytes: float | None, processes_here: int = 1) -> str:
     """Decode every image of `sets` (MyDataSets) once into memory (DecodedImages), if all of them fit in
-    `gigabytes` (None: a quarter of this machine's memory, shared among its `processes_here` training processes,
-    each of which holds its own; 0: none), so that an epoch only crops and flips them. Returns the line saying
-    what it did.
+    `gigabytes` (None: a quarter of the memory this run may use, memory_budget; 0: none), so that an epoch only
+    crops and flips them. Returns the line saying what it did, and within what budget.
 
     The sizes come first, from the files' headers (decoded_size), to know whether they fit before decoding any.
     This process's share of the cores decode them, in threads (PIL decodes without holding the GIL), a chunk of
     images to a task (in_chunks)."""
-    memory = physical_memory() if gigabytes is None else None
-    if gigabytes is None and memory is None:
-        return "Images: decoded from their files every epoch: this system does not say its memory (--image-cache-gb)"
-    budget = memory / 4 / processes_here if gigabytes is None else gigabytes * 1e9
+    budget, why = memory_budget(gigabytes, processes_here)
+    if budget is None:
+        return f"Images: decoded from their files every epoch: {why} (--image-cache-gb)"
     if not budget:
         return "Images: decoded from their files every epoch (--image-cache-gb 0)"
     start, threads = time.perf_counter(), cores_per_process(processes_here)
@@ -64,14 +62,33 @@ def decode_once(sets: list, gigabytes: float | None, processes_here: int = 1) ->
         if needed > budget:
             return (
                 f"Images: decoded from their files every epoch: decoded, they would take {needed / 1e9:.1f} GB, "
-                f"more than the {budget / 1e9:.1f} GB of --image-cache-gb"
+                f"more than {why}"
             )
         for data, table in zip(sets, shapes, strict=True):
             data.decoded = decoded_images(data, table, pool)
     images = sum(int((data.decoded.offsets >= 0).sum()) for data in sets)
     return (
         f"Images: {images} decoded once into memory ({needed / 1e9:.2f} GB, {time.perf_counter() - start:.1f} s, "
-        f"{threads} threads): every epoch crops and flips them there"
+        f"{threads} threads): every epoch crops and flips them there; they fit in {why}"
+    )
+
+
+def memory_budget(gigabytes: float | None, processes_here: int) -> tuple[float | None, str]:
+    """(the bytes of decoded images this process may hold; that budget in words, with where it comes from, for
+    decode_once's line): `gigabytes` (--image-cache-gb), or where it is None, a quarter of the memory this run may
+    use (the least of its cgroup's limit, SLURM's allocation and the machine's memory: machine.memory_limit),
+    shared among the `processes_here` training processes on this machine, each of which holds its own; (None,
+    why) where the system does not say its memory."""
+    if gigabytes is not None:
+        return gigabytes * 1e9, f"the {gigabytes:.1f} GB of --image-cache-gb"
+    limit, source = memory_limit()
+    if limit is None:
+        return None, source
+    budget = limit / 4 / processes_here
+    shared = f", shared among {processes_here} processes" if processes_here > 1 else ""
+    return (
+        budget,
+        f"the {budget / 1e9:.1f} GB budget: a quarter of the {limit / 1e9:.1f} GB this run may use ({source}){shared}",
     )
 
 

@@ -161,11 +161,14 @@ def test_images_are_decoded_once_only_where_they_fit_the_memory_budget(tmp_path,
     assert decode_once([data], gigabytes=0) == "Images: decoded from their files every epoch (--image-cache-gb 0)"
     line = decode_once([data], gigabytes=(needed - 1) / 1e9)
     assert data.decoded is None and "they would take 0.0 GB, more than the 0.0 GB of --image-cache-gb" in line
-    # By default a quarter of the machine's memory, shared among the training processes on it
-    monkeypatch.setattr(decoding, "physical_memory", lambda: 4 * needed)
-    assert "decoded from their files" in decode_once([data], None, processes_here=2) and data.decoded is None
-    assert "4 decoded once" in decode_once([data], None, processes_here=1) and data.decoded is not None
-    monkeypatch.setattr(decoding, "physical_memory", lambda: None)
+    # By default a quarter of the memory the run may use (machine.memory_limit), shared among its processes here
+    monkeypatch.setattr(decoding, "memory_limit", lambda: (4 * needed, "SLURM's --mem, SLURM_MEM_PER_NODE"))
+    line = decode_once([data], None, processes_here=2)
+    assert "decoded from their files" in line and data.decoded is None
+    assert f"of the {4 * needed / 1e9:.1f} GB this run may use (SLURM's --mem, SLURM_MEM_PER_NODE)" in line
+    line = decode_once([data], None, processes_here=1)
+    assert "4 decoded once" in line and data.decoded is not None and "SLURM_MEM_PER_NODE" in line
+    monkeypatch.setattr(decoding, "memory_limit", lambda: (None, "this system does not say its memory"))
     assert "does not say its memory" in decode_once([MyDataSet(paths, [0] * 4, val_transform(32))], None)
 
 

@@ -22,7 +22,7 @@ PACKAGES = ("dataset", "recipe", "run", "multi_train_utils")
 EXTERNAL_FLAGS = {
     "--nproc_per_node", "--nnodes", "--node_rank", "--master_port", "--rdzv-endpoint", "--rdzv-id", "--rdzv-backend",
     "--redirects", "--tee", "--use_env",
-    "--signal", "--gpus-per-node", "--gpus-per-task", "--gpu-bind",
+    "--signal", "--gpus-per-node", "--gpus-per-task", "--gpu-bind", "--mem", "--mem-per-cpu",
     "--dist",
 }  # fmt: skip
 EXTERNAL_NAMES = {"bf16_compress_hook", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"}
