@@ -34,7 +34,7 @@ from dataset.images import image_problem
 from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD, RESIZE_RATIO, normalise
 from multi_train_utils.distributed_utils import resolve_device
 from run.trained import add_run_overrides, image_loader, load_trained_model
-from utils import HelpFormatter, Parser, UserError, check_writable, entry_point, write_atomically
+from utils import HelpFormatter, Parser, UserError, check_new_file, entry_point, write_atomically
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}  # the default output's suffix
 TOLERANCE = 1e-4  # largest absolute difference in logits from PyTorch float32 that the check accepts
@@ -77,11 +77,7 @@ def output_path(args) -> Path:
     output = args.output or args.weights.with_name(args.weights.stem + FORMATS[args.format])
     if output.exists() and output.resolve() == args.weights.resolve():
         raise UserError(f"--output {output} is the weights file itself: name another file")
-    if output.exists() and not args.force:
-        raise UserError(f"{output} exists: name another --output, or pass --force to replace it")
-    if output.is_dir():
-        raise UserError(f"--output {output} is a folder: name a file")
-    check_writable(output.parent)
+    check_new_file(output, "--output", args.force)
     return output
 
 

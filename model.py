@@ -67,6 +67,16 @@ def head_names(name: str = DEFAULT_MODEL) -> frozenset[str]:
     return frozenset(key for key, tensor in two.items() if tensor.shape != three[key].shape)
 
 
+@functools.cache
+def random_draws(name: str = DEFAULT_MODEL) -> tuple[str, ...]:
+    """What the model draws at random in its forward pass while training (its dropout and stochastic depth
+    layers, by class name), found by building it on the meta device: () for a network whose steps are a function
+    of its weights and batch alone."""
+    with torch.device("meta"):
+        layers = create_model(2, name).modules()
+    return tuple(sorted({type(layer).__name__ for layer in layers if getattr(layer, "p", 0) > 0}))
+
+
 def weights_file(spec: str | os.PathLike, name: str = DEFAULT_MODEL) -> Path:
     """The file that `--weights spec` names for model `name`, for load_weights.
 
@@ -164,9 +174,11 @@ def read_state_dict(path) -> dict:
     return strip_wrapper_prefixes(data)
 
 
-def load_weights(model: nn.Module, source, strict: bool = False, name: str = DEFAULT_MODEL) -> LoadReport:
-    """Load a weights file (or a state dict read from one) into `model`, torchvision's `name`; returns what was
-    loaded and skipped.
+def load_weights(
+    model: nn.Module, source, strict: bool = False, name: str = DEFAULT_MODEL, what: str | None = None
+) -> LoadReport:
+    """Load a weights file (or a state dict read from one: `what` names it) into `model`, torchvision's `name`;
+    returns what was loaded and skipped.
 
     Lenient (for --weights, starting a run): tensors of another shape, normally a head for another number of
     classes, are skipped and left as initialised; anything else that does not fit is refused. Strict (for a run's
@@ -183,7 +195,7 @@ def load_weights(model: nn.Module, source, strict: bool = False, name: str = DEF
         else:
             report.loaded.append(key)
     report.missing = [key for key in own if key not in state_dict]
-    what = f"weights file {source}" if not isinstance(source, dict) else "the weights"
+    what = what or (f"weights file {source}" if not isinstance(source, dict) else "the weights")
     if strict:
         misfits = report.missing + report.unexpected + report.skipped_shape
     else:

@@ -17,7 +17,6 @@ drawing functions can be called from other scripts (benchmark.py calls plot_benc
 """
 
 import argparse
-import json
 import textwrap
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from utils import Parser, UserError, entry_point, write_atomically
+from utils import Parser, UserError, entry_point, read_json, read_json_lines, write_atomically
 
 METRICS_NAME, BENCHMARK_NAME = "metrics.jsonl", "benchmark.json"
 CURVES_PNG, BENCHMARK_PNG = "training_curves.png", "benchmark.png"
@@ -36,20 +35,7 @@ REQUIRED_KEYS = ("epoch", *(key for key, _ in PANELS))
 
 def read_metrics(path: Path) -> list[dict]:
     """The epochs of a metrics.jsonl, sorted by epoch; UserError naming the file and line for anything unusable."""
-    epochs = []
-    for number, line in enumerate(read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{path} line {number} is not JSON ({error.msg})") from None
-        if not isinstance(record, dict):
-            raise UserError(f"{path} line {number} is not a JSON object")
-        missing = [key for key in REQUIRED_KEYS if not isinstance(record.get(key), int | float)]
-        if missing:
-            raise UserError(f"{path} line {number} has no number for {', '.join(missing)}")
-        epochs.append(record)
+    epochs = read_json_lines(path, "metrics file", numbers=REQUIRED_KEYS)
     if not epochs:
         raise UserError(f"{path} holds no epochs (is the run still in its first epoch?)")
     return sorted(epochs, key=lambda record: record["epoch"])
@@ -57,11 +43,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 def read_benchmark(path: Path) -> dict:
     """A benchmark.json as written by benchmark.py; UserError if it is not one."""
-    try:
-        benchmark = json.loads(read_text(path))
-    except json.JSONDecodeError as error:
-        raise UserError(f"{path} line {error.lineno} is not JSON ({error.msg})") from None
-    rows = benchmark.get("rows") if isinstance(benchmark, dict) else None
+    benchmark = read_json(path, "benchmark file")
+    rows = benchmark.get("rows")
     if not rows or not isinstance(rows, list):
         raise UserError(f"{path} has no benchmark rows (expected {{'rows': [{{'name': ..., 'img_per_sec': ...}}]}})")
     for number, row in enumerate(rows, start=1):
@@ -70,14 +53,6 @@ def read_benchmark(path: Path) -> dict:
         if not isinstance(row["img_per_sec"], int | float | None):
             raise UserError(f"{path}: row {number} has img_per_sec {row['img_per_sec']!r}, not a number (or null)")
     return benchmark
-
-
-def read_text(path: Path) -> str:
-    """A text file's contents; UserError if it cannot be read or is not text."""
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read {path}: {getattr(error, 'strerror', None) or 'not a text file'}") from None
 
 
 def classify(argument: Path) -> tuple[str, Path]:

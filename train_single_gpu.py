@@ -80,7 +80,7 @@ def train(config, plan, process) -> dict:
     with saving_a_step_on_stop(log, model, training):
         for epoch in range(start_epoch, config.epochs):
             batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
-            lr, start = training.epoch_lr(), time.perf_counter()
+            lr, start = training.epoch_lr(), training.epoch_start()
             trained_epoch = train_one_epoch(training, train_loader, device, epoch, limits[0])
             train_seconds = time.perf_counter() - start
             confusion, ema_metrics = validate(model, training, val_loader, device, len(plan.split.classes), limits[1])

@@ -1,11 +1,13 @@
 """Small helpers every script uses: the user-error type and entry point, argparse types that report in one line,
-the safe torch.load, and atomic file writes."""
+the safe torch.load, files read back checked (JSON of the shape expected, else a UserError naming the file), and
+atomic file writes."""
 
 import argparse
 import contextlib
 import errno
 import functools
 import json
+import math
 import os
 import pickle
 import shutil
@@ -36,6 +38,11 @@ def entry_point(function):
     return wrapper
 
 
+def warn(message: str) -> None:
+    """One warning line on stderr: something the run does without (a damaged cache, an unreadable image)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default where it has one worth showing (not None, not an off switch)."""
 
@@ -57,11 +64,14 @@ def number(kind, minimum, maximum=None, above_minimum=False):
 
     def parse(text):
         value = kind(text)
+        if not math.isfinite(value):  # float("nan") and float("inf") parse, and nan passes every comparison
+            raise argparse.ArgumentTypeError("must be a finite number")
         if value < minimum or (above_minimum and value == minimum) or (maximum is not None and value > maximum):
             bound = f"greater than {minimum}" if above_minimum else f"at least {minimum}"
             raise argparse.ArgumentTypeError(f"must be {bound}" + (f" and at most {maximum}" if maximum else ""))
         return value
 
+    parse.__name__ = kind.__name__  # argparse's word for text that is not a number: "invalid int value: 'x'"
     return parse
 
 
@@ -82,7 +92,7 @@ def safe_load(path, what: str):
 
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{what} {path} does not exist")
+        raise UserError(f"{what} {path} {'is a folder' if path.is_dir() else 'does not exist'}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -93,6 +103,115 @@ def safe_load(path, what: str):
         raise UserError(
             f"{what} {path} cannot be read as a PyTorch file ({type(error).__name__}: {first_line})"
         ) from None
+
+
+def read_text(path, what: str) -> str:
+    """A text file the project wrote, read back; UserError naming it (`what` it is, and where) if it cannot be read
+    or is not text."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"cannot read {what} {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {path} is not a text file") from None
+
+
+def read_json(path, what: str, expected: type = dict):
+    """The JSON a file holds, read back: a JSON object (or an `expected` of another type); UserError naming the file
+    if it cannot be read, is not JSON (truncated, say) or holds another kind of value."""
+    try:
+        data = json.loads(read_text(path, what))
+    except ValueError as error:
+        raise UserError(f"{what} {path} is not valid JSON ({error})") from None
+    if not isinstance(data, expected):
+        raise UserError(f"{what} {path} holds {json_name(data)}, not {json_name(expected)}")
+    return data
+
+
+def read_json_lines(path, what: str, numbers: tuple = ()) -> list[dict]:
+    """The records of a JSON Lines file (one JSON object a line; blank lines are skipped), each with a number for
+    each key in `numbers`; UserError naming the file and the line for anything else."""
+    records = []
+    for number, line in enumerate(read_text(path, what).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{what} {path} line {number} is not JSON ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{what} {path} line {number} is not a JSON object")
+        missing = [key for key in numbers if misfits(record.get(key), NUMBER)]
+        if missing:
+            raise UserError(f"{what} {path} line {number} has no number for {', '.join(missing)}")
+        records.append(record)
+    return records
+
+
+@contextlib.contextmanager
+def advice(what_to_do: str):
+    """A UserError raised inside (a file read back is damaged, say) ends with what to do about it: "...: what_to_do"."""
+    try:
+        yield
+    except UserError as error:
+        raise UserError(f"{error}: {what_to_do}") from None
+
+
+NUMBER = (int, float)  # a shape for misfits: either (JSON's numbers; true and false are not)
+
+
+def misfits(value, shape, name: str = "") -> list[str]:
+    """Where `value`, data read back from a file, differs from `shape`, in words; [] if it fits. A shape is a type
+    (bool is not taken for a number), a tuple of shapes (any one of them), a one-item list [shape] (a list of such
+    items) or a dict of shapes by key (a mapping holding each key; one whose shape admits None may be absent)."""
+    if isinstance(shape, tuple):
+        found = [misfits(value, option, name) for option in shape]
+        if not all(found):
+            return []
+        # a list or a mapping where one is expected: say what inside it does not fit
+        inside = [problems for option, problems in zip(shape, found, strict=True) if is_container_of(option, value)]
+        return inside[0] if inside else [mismatch(name, value, shape_name(shape))]
+    if not isinstance(value, python_type(shape)) or (isinstance(value, bool) and shape is not bool):
+        return [mismatch(name, value, shape_name(shape))]
+    if isinstance(shape, list):
+        return [problem for i, item in enumerate(value) for problem in misfits(item, shape[0], f"{name}[{i}]")][:1]
+    problems = []
+    for key, part in shape.items() if isinstance(shape, dict) else ():
+        label = f"{name}.{key}" if name else key
+        found = misfits(value.get(key), part, label)
+        problems += [f"{label} is missing"] if found and key not in value else found
+    return problems
+
+
+def is_container_of(shape, value) -> bool:
+    """Whether `shape` is a list's or a mapping's, and `value` is one."""
+    return isinstance(shape, list | dict) and isinstance(value, python_type(shape))
+
+
+def python_type(shape) -> type:
+    """The Python type a value of `shape` has."""
+    return list if isinstance(shape, list) else dict if isinstance(shape, dict) else shape
+
+
+def mismatch(name: str, value, expected: str) -> str:
+    return f"{name or 'it'} is {json_name(value)}, not {expected}"
+
+
+def shape_name(shape) -> str:
+    if isinstance(shape, tuple):
+        return "a number" if shape == NUMBER else " or ".join(map(shape_name, shape))
+    return json_name(python_type(shape))
+
+
+# JSON's words for what a value is (bool before int: True is an int to Python)
+JSON_NAMES = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+              list: "a list", dict: "an object"}  # fmt: skip
+
+
+def json_name(value) -> str:
+    """What `value` (or a value of type `value`) is, in JSON's words where it is JSON's: "a list", "null", ..."""
+    of = value if isinstance(value, type) else type(value)
+    return next((name for base, name in JSON_NAMES.items() if issubclass(of, base)), f"a {of.__name__}")
 
 
 class OutputError(UserError):
@@ -164,6 +283,30 @@ def write_failure(path: Path, error: OSError, size: int | None = None) -> str:
 
 def write_json(path, data) -> None:
     write_atomically(path, lambda f: f.write(json.dumps(data, indent=2) + "\n"))
+
+
+# What makes a folder a run's: the files a training run writes (run/run_log.py, multi_train_utils/checkpoint.py),
+# as patterns of their paths in its folder, its caches and lock aside. No other command may replace them.
+RUN_FILES = ("args.json", "class_indices.json", "metrics.jsonl", "checkpoint.pth", "weights/*.pth", "tb/*")
+
+
+def run_files_in(folder: Path) -> list[str]:
+    """The patterns of RUN_FILES that files in `folder` match: none where it holds no run."""
+    return [pattern for pattern in RUN_FILES if next(folder.glob(pattern), None) is not None]
+
+
+def check_new_file(path: Path, flag: str, force: bool) -> None:
+    """UserError, before anything is computed, unless `path` (given as `flag`) may be written: not a folder, not
+    an existing file (unless `force`: nothing is replaced unasked), never a file of a run (RUN_FILES, in a folder
+    that holds a run's args.json: a run's folder belongs to its run), in a folder that can be made or written to."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder: name a file")
+    run = next((folder for folder in path.parents[:2] if (folder / "args.json").is_file()), None)
+    if run is not None and any(path.relative_to(run).match(pattern) for pattern in RUN_FILES):
+        raise UserError(f"{flag} {path} is a file of the run in {run}, which no other command replaces: name another")
+    if path.exists() and not force:
+        raise UserError(f"{path} exists: name another {flag}, or pass --force to replace it")
+    check_writable(path.parent)
 
 
 def check_writable(folder: Path) -> None:

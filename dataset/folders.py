@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dataset.images import image_problem
-from utils import UserError, write_json
+from utils import UserError, describe, write_json
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -212,8 +212,21 @@ def class_images(folders: list[Path], check, unreadable: list[str]) -> list[list
         found = [[path for path in images if path not in bad] for images in found]
     for folder, images in zip(folders, found, strict=True):
         if not images:
-            raise UserError(f"class folder {folder} holds no readable images ({' '.join(IMAGE_EXTENSIONS)})")
+            raise UserError(no_images_in(folder))
     return found
+
+
+def no_images_in(folder: Path) -> str:
+    """Why class folder `folder` gives no image, in a line: none readable in it, or only folders of images (most
+    often a data path one level too high: data/ given for data/flower_photos/daisy/*.jpg)."""
+    message = f"class folder {folder} holds no readable images ({' '.join(IMAGE_EXTENSIONS)})"
+    inside = sub_folders(folder)
+    if inside:
+        message += (
+            f", only sub-folders ({describe(inside)}), whose images are not read: a class's images lie directly in "
+            "its folder (is the data path one level too high?)"
+        )
+    return message
 
 
 def write_class_indices(classes: list[str], output_dir) -> None:

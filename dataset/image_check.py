@@ -27,7 +27,7 @@ from filelock import FileLock
 
 import dataset.images
 from dataset.folders import relative_posix
-from utils import write_atomically
+from utils import UserError, misfits, read_json, warn, write_atomically
 
 CHECKED_IMAGES = "checked_images.json"  # in a run's folder: the verdicts
 CHECK_LOCK = ".checked_images.lock"  # in a run's folder: held by the rank that is checking images
@@ -50,12 +50,12 @@ class ImageCheck:
     def __call__(self, images: list[str]) -> list[str]:
         names = relative_posix(images, self.root)
         now = {name: (path, file_key(path)) for name, path in zip(names, images, strict=True)}
-        self.verdicts = read_verdicts(self.folder)
+        self.verdicts = self.remembered(self.folder, quietly=self.shared)  # shared: read again under the lock
         stale = self.stale(now)
         if stale and self.shared:
             self.folder.mkdir(parents=True, exist_ok=True)
             with FileLock(self.folder / CHECK_LOCK):  # the other ranks wait here while one decodes
-                self.verdicts = read_verdicts(self.folder)  # those a rank that held the lock before wrote
+                self.verdicts = self.remembered(self.folder)  # those a rank that held the lock before wrote
                 if self.stale(now):
                     self.decode(now)
                     self.save(self.folder)
@@ -63,6 +63,16 @@ class ImageCheck:
             self.decode(now)
         self.keep_listed(now)
         return [path for name, (path, key) in now.items() if key is None or self.verdicts[name][2] is not None]
+
+    def remembered(self, folder: Path | None, quietly: bool = False) -> dict[str, list]:
+        """The verdicts kept in `folder`. A damaged file (cut short, edited by hand) keeps none: its images are
+        decoded again, with one warning saying so (unless `quietly`), and save() replaces it."""
+        try:
+            return read_verdicts(folder)
+        except UserError as damage:
+            if not quietly:
+                warn(f"{damage}: its images are checked again, and it is replaced")
+            return {}
 
     def stale(self, now: dict) -> list[str]:
         """The images in `now` (relative path: (path, key)) without a verdict for the file as it is now (those
@@ -95,7 +105,7 @@ class ImageCheck:
             return
         # Merged with the verdicts already there: under torchrun the ranks check before rank 0 holds the folder, so
         # a run that is then refused (another run holds it) must not take that run's verdicts away.
-        verdicts = read_verdicts(folder) | self.verdicts if self.shared else self.verdicts
+        verdicts = self.remembered(folder, quietly=True) | self.verdicts if self.shared else self.verdicts
         record = {"format": FORMAT, "root": str(self.root), "images": verdicts}
         text = json.dumps(record, separators=(",", ":"))
         write_atomically(folder / CHECKED_IMAGES, lambda f: f.write(text))
@@ -112,14 +122,29 @@ def file_key(path: str) -> tuple[int, int] | None:
 
 
 def read_verdicts(folder: Path | None) -> dict[str, list]:
-    """The verdicts remembered in `folder`; none if there is no such file, or it is not one this code wrote (it
-    is only a record of work done: without it, the images are decoded again)."""
-    if folder is None:
+    """The verdicts remembered in `folder` (none if it has no such file yet: the images are decoded then); UserError
+    naming the file if it is not one this code wrote whole (not JSON, another format, a verdict of another shape)."""
+    path = None if folder is None else folder / CHECKED_IMAGES
+    if path is None or not path.exists():
         return {}
-    try:
-        record = json.loads((folder / CHECKED_IMAGES).read_text())
-        if record.get("format") == FORMAT and isinstance(record.get("images"), dict):
-            return record["images"]
-    except (OSError, ValueError, AttributeError):
-        pass
-    return {}
+    record = read_json(path, "image check cache")
+    if record.get("format") != FORMAT:
+        raise UserError(f"image check cache {path} is of another format ({record.get('format')!r}, not {FORMAT})")
+    damage = misfits(record, {"images": dict}) or [
+        f"{name}'s verdict is {json.dumps(verdict)[:40]}, not [size, mtime_ns, problem or null]"
+        for name, verdict in record["images"].items()
+        if not is_verdict(verdict)
+    ]
+    if damage:
+        raise UserError(f"image check cache {path} is damaged ({damage[0]})")
+    return record["images"]
+
+
+def is_verdict(verdict) -> bool:
+    """Whether `verdict` is one as decode() keeps it: [size, mtime_ns, problem], the problem a string or None."""
+    return (
+        isinstance(verdict, list)
+        and len(verdict) == 3
+        and not misfits(verdict[:2], [int])
+        and not misfits(verdict[2], (str, type(None)))
+    )

@@ -4,6 +4,7 @@ continues; and evaluation's confusion matrix. The same for one process and for D
 
 import math
 import sys
+import time
 
 import torch
 from tqdm import tqdm
@@ -40,7 +41,7 @@ class EpochSteps:
 
     def __init__(self, training, data_loader, device: torch.device, epoch: int, max_skipped=None):
         self.training, self.data_loader, self.device, self.epoch = training, data_loader, device, epoch
-        self.max_skipped, self.first_lr = max_skipped, training.epoch_lr()
+        self.max_skipped, self.first_lr, self.started = max_skipped, training.epoch_lr(), training.epoch_start()
         self.midway, training.midway = training.midway, None
         self.totals = [0.0, 0.0, 0.0] if self.midway is None else self.midway.totals
         self.scaler = training.scaler or torch.amp.GradScaler(device.type, enabled=False)
@@ -101,7 +102,8 @@ class EpochSteps:
         reached any."""
         if self.stopping is not None:
             self.progress.close()
-            raise StopRequested(self.stopping, self.epoch, step + 1, self.totals, self.first_lr)
+            seconds = time.perf_counter() - self.started
+            raise StopRequested(self.stopping, self.epoch, step + 1, self.totals, self.first_lr, seconds)
 
     def result(self) -> tuple[float, int]:
         """(mean loss over every sample of every rank, images trained on by all ranks)."""

@@ -5,14 +5,31 @@ one never runs code. It is written atomically (temporary file in the same folder
 writing leaves the previous checkpoint in place, never half a file.
 """
 
+import textwrap
 from pathlib import Path
 
 import torch
 
-from utils import UserError, safe_load, write_atomically
+from utils import NUMBER, UserError, misfits, safe_load, write_atomically
 
 CHECKPOINT_NAME = "checkpoint.pth"
 CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args"}
+# What each entry of a checkpoint holds (utils.misfits' shapes): what training_state writes, and what
+# stop_and_resume's save_step adds ("midway"); a run's record ("args") with its split (split_fingerprint's).
+SPLIT = {"train_images": int, "train_sha256": str, "val_images": int, "val_sha256": str}
+CHECKPOINT_SHAPE = {
+    "epoch": int,
+    "model": dict,
+    "optimizer": dict,
+    "scheduler": dict,
+    "scaler": (dict, type(None)),
+    "ema": (dict, type(None)),
+    "best_acc": NUMBER,
+    "classes": [str],
+    "world_size": int,
+    "args": {"split": (SPLIT, type(None))},
+    "midway": ({"step": int, "totals": [NUMBER], "lr": NUMBER, "seconds": (NUMBER, type(None))}, type(None)),
+}
 
 
 def save_atomically(obj, path) -> None:
@@ -53,27 +70,43 @@ def training_state(epoch, model, training, best_acc, classes, world_size, record
 
 
 def load_checkpoint(path) -> dict:
-    """Read a checkpoint written by save_atomically(training_state(...)); UserError if it is not one."""
+    """Read a checkpoint written by save_atomically(training_state(...)); UserError if it is not one, or if an
+    entry is not what the scripts write there (a damaged or hand-edited file)."""
     state = safe_load(path, "checkpoint")
     if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
         raise UserError(f"{path} is not a training checkpoint of these scripts (weights only? use --weights)")
+    damage = misfits(state, CHECKPOINT_SHAPE)
+    if damage:
+        raise UserError(f"checkpoint {path} is damaged ({'; '.join(damage)}): {start_anew(path)}")
     return state
 
 
-def restore(state: dict, model, training) -> tuple[int, float]:
-    """Put a checkpoint's state back into the model and what `training` steps; returns (the first epoch to train,
-    the best validation accuracy so far). Where in that epoch a run stopped at a step continues is
-    stop_and_resume's (Midway).
+def start_anew(path) -> str:
+    """What to do with a checkpoint that cannot be resumed."""
+    weights = Path(path).parent / "weights" / "best.pth"
+    return f"restore it from a backup, or start a new run from its weights (--weights {weights})"
+
+
+def restore(state: dict, model, training, path=None) -> tuple[int, float]:
+    """Put a checkpoint's state (read from `path`) back into the model and what `training` steps; returns (the
+    first epoch to train, the best validation accuracy so far). Where in that epoch a run stopped at a step
+    continues is stop_and_resume's (Midway). UserError if a part does not fit (a checkpoint edited by hand).
 
     A checkpoint saved without float16's gradient scaler (bfloat16 or float32: its scaler was off, its state
     empty) resumes with one just as well: the scaler starts afresh."""
-    model.load_state_dict(state["model"])
-    training.optimizer.load_state_dict(state["optimizer"])
-    training.scheduler.load_state_dict(state["scheduler"])
+    parts = {"model": model, "optimizer": training.optimizer, "scheduler": training.scheduler}
     if state.get("scaler") and training.scaler is not None:  # {}: saved with the scaler off
-        training.scaler.load_state_dict(state["scaler"])
+        parts["scaler"] = training.scaler
     if training.ema is not None:
-        training.ema.load_state_dict(state["ema"])
+        parts["ema"] = training.ema
+    for part, target in parts.items():
+        try:
+            target.load_state_dict(state[part])
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:  # torch's, by part
+            reason = textwrap.shorten(str(error), 200)
+            raise UserError(
+                f"checkpoint {path}: its {part} does not fit this run's ({reason}): {start_anew(path)}"
+            ) from None
     return state["epoch"] + 1, state["best_acc"]
 
 

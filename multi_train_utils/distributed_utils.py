@@ -5,6 +5,7 @@ Every function works in a single process too (rank 0 of a world of 1), so the sh
 without asking which launch mode it runs under.
 """
 
+import argparse
 import os
 import socket
 import sys
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from dataset.sampling import SeededBatchSampler
-from utils import UserError
+from utils import UserError, number
 
 
 def is_dist_avail_and_initialized() -> bool:
@@ -43,28 +44,45 @@ def print_once(*message) -> None:
         print(*message, flush=True)
 
 
+def environment_number(name: str, text: str, minimum: int, maximum: int | None = None) -> int:
+    """Environment variable `name`'s value `text` as a whole number from `minimum` to `maximum`, through the flags'
+    own check (utils.number); UserError naming the variable otherwise."""
+    try:
+        return number(int, minimum, maximum)(text)
+    except (ValueError, argparse.ArgumentTypeError) as error:
+        reason = error if isinstance(error, argparse.ArgumentTypeError) else "must be a whole number"
+        raise UserError(f"environment variable {name}={text!r}: {reason}") from None
+
+
 def launcher_environment() -> dict | None:
-    """Rank, world size and local rank set by a launcher (torchrun, torch.distributed.launch --use_env, SLURM)."""
+    """Rank, world size and local rank set by a launcher (torchrun, torch.distributed.launch --use_env, SLURM);
+    UserError naming the variable where one is not a count the job could have (the flags' own check, utils.number)."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return {
-            "rank": int(env["RANK"]),
-            "world_size": int(env["WORLD_SIZE"]),
-            "local_rank": int(env.get("LOCAL_RANK", 0)),
-            "local_world_size": int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
-        }
-    if "SLURM_PROCID" in env:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+        found = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": env["WORLD_SIZE"]} | {n: env[n] for n in names if n in env}
+    elif "SLURM_PROCID" in env:
         if "MASTER_ADDR" not in env:
             raise UserError("under SLURM, set MASTER_ADDR (e.g. the first host of $SLURM_JOB_NODELIST) and MASTER_PORT")
         env.setdefault("MASTER_PORT", "29500")
-        tasks = int(env.get("SLURM_NTASKS", 1))
-        return {
-            "rank": int(env["SLURM_PROCID"]),
-            "world_size": tasks,
-            "local_rank": int(env.get("SLURM_LOCALID", 0)),
-            "local_world_size": int(env.get("SLURM_NTASKS_PER_NODE", tasks).split("(")[0]),
-        }
-    return None
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
+        found = {"SLURM_NTASKS": "1", "SLURM_LOCALID": "0"} | {n: env[n] for n in names if n in env}
+        found.setdefault("SLURM_NTASKS_PER_NODE", found["SLURM_NTASKS"])  # "2(x3)": 2 tasks on each of 3 nodes
+        found["SLURM_NTASKS_PER_NODE"] = found["SLURM_NTASKS_PER_NODE"].split("(")[0]
+    else:
+        return None
+    keys = ("rank", "world_size", "local_rank", "local_world_size")
+    counts = {
+        key: environment_number(name, found[name], minimum)
+        for key, name, minimum in zip(keys, names, (0, 1, 0, 1), strict=True)
+    }
+    for rank, size, (rank_name, size_name) in (
+        ("rank", "world_size", names[:2]),
+        ("local_rank", "local_world_size", names[2:]),
+    ):
+        if counts[rank] >= counts[size]:
+            raise UserError(f"environment variable {rank_name}={counts[rank]} must be below {size_name}={counts[size]}")
+    return counts
 
 
 @dataclass(frozen=True)
@@ -189,7 +207,7 @@ def restart_safe_store(dist_url: str, process: Process, timeout: timedelta):
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist_url != "env://":
         return None
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host, port = os.environ["MASTER_ADDR"], environment_number("MASTER_PORT", os.environ["MASTER_PORT"], 1, 65535)
     store = dist.TCPStore(host, port, process.world_size, is_master=False, timeout=timeout)
     name = name_start(store, process.world_size) if process.rank == 0 else join_start(store, process.rank, timeout)
     return dist.PrefixStore(f"{START}/{name}", store)

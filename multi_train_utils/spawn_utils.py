@@ -11,7 +11,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from multi_train_utils.distributed_utils import find_free_port, resolve_device
+from multi_train_utils.distributed_utils import environment_number, find_free_port, resolve_device
 from multi_train_utils.stop_and_resume import STOP_SIGNALS
 from utils import UserError
 
@@ -40,7 +40,7 @@ def choose_meeting_point() -> str:
     port is taken (another job holds it), then a free one."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     port = os.environ.get("MASTER_PORT")
-    if port is None or not port_is_free(int(port)):
+    if port is None or not port_is_free(environment_number("MASTER_PORT", port, 1, 65535)):
         os.environ["MASTER_PORT"] = str(find_free_port())
         if port is not None:
             print(f"MASTER_PORT {port} is taken; using {os.environ['MASTER_PORT']} instead")

@@ -29,18 +29,23 @@ noted: list[int] = []  # the stop signals this process received while they were 
 @dataclass
 class Midway:
     """Where a run stopped at a step left its epoch: the batches trained, the epoch's sums so far (train_one_epoch's
-    totals) and the epoch's first learning rate (the one its metrics report), as its checkpoint holds them; the
-    resumed run's train_one_epoch continues from there."""
+    totals), the epoch's first learning rate (the one its metrics report) and the seconds it had trained (so that
+    the epoch's time and speed count its whole training, not the part after the resume), as its checkpoint holds
+    them; the resumed run's train_one_epoch continues from there."""
 
     step: int
     totals: list[float]
     lr: float
+    seconds: float = 0.0
 
     @classmethod
     def of(cls, state: dict) -> "Midway | None":
-        """Where the run whose checkpoint `state` is stopped in its epoch; None if it stopped at an epoch's end."""
+        """Where the run whose checkpoint `state` is stopped in its epoch; None if it stopped at an epoch's end. A
+        checkpoint saved before the seconds were kept counts none."""
         midway = state.get("midway")
-        return None if midway is None else cls(midway["step"], midway["totals"], midway["lr"])
+        if midway is None:
+            return None
+        return cls(midway["step"], midway["totals"], midway["lr"], midway.get("seconds", 0.0))
 
     def skip_trained_batches(self, data_loader) -> None:
         """The loader's next pass starts at this step (its batch sampler must be a SeededBatchSampler, as
@@ -51,11 +56,12 @@ class Midway:
 class StopRequested(Exception):
     """Raised on every process after the optimizer step of `step` of `epoch`: a stop signal arrived. `step` is the
     number of the epoch's batches trained, `totals` the epoch's sums so far (train_one_epoch's), `lr` the epoch's
-    first learning rate."""
+    first learning rate, `seconds` the epoch's training time so far."""
 
-    def __init__(self, signum: int, epoch: int, step: int, totals: list[float], lr: float):
+    def __init__(self, signum: int, epoch: int, step: int, totals: list[float], lr: float, seconds: float):
         super().__init__(f"stopped by {signal.Signals(signum).name} at epoch {epoch}, step {step}")
         self.signum, self.epoch, self.step, self.totals, self.lr = signum, epoch, step, totals, lr
+        self.seconds = seconds
 
     @property
     def status(self) -> int:
@@ -64,7 +70,7 @@ class StopRequested(Exception):
 
     def midway(self) -> dict:
         """What a checkpoint keeps of the stop, beside the training state ("midway"; restore reads it back)."""
-        return {"step": self.step, "totals": self.totals, "lr": self.lr}
+        return {"step": self.step, "totals": self.totals, "lr": self.lr, "seconds": self.seconds}
 
 
 @contextlib.contextmanager
@@ -137,7 +143,7 @@ def resume_from(checkpoint: Path | None, model, training, epochs: int) -> tuple[
     if checkpoint is None:
         return 0, -1.0
     state = load_checkpoint(checkpoint)
-    start_epoch, best_acc = restore(state, model, training)
+    start_epoch, best_acc = restore(state, model, training, checkpoint)
     training.midway = Midway.of(state)
     at_step = f", step {training.midway.step}" if training.midway is not None else ""
     print_once(

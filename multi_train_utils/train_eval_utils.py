@@ -2,6 +2,7 @@
 takes it, its bookkeeping behind a few calls (multi_train_utils/bookkeeping.py)."""
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,12 @@ class Training:
         """The learning rate of the coming epoch's first step (the epoch's metrics report it): the optimizer's now,
         or, in an epoch a resumed run continues, the one it had when it started."""
         return self.optimizer.param_groups[0]["lr"] if self.midway is None else self.midway.lr
+
+    def epoch_start(self) -> float:
+        """When the coming epoch started, on time.perf_counter's clock (the epoch's metrics time it from there):
+        now, or, in an epoch a resumed run continues, as long ago as it had trained before it stopped; the time
+        the run was stopped does not count."""
+        return time.perf_counter() - (0.0 if self.midway is None else self.midway.seconds)
 
 
 def train_one_epoch(training: Training, data_loader, device, epoch: int, max_skipped=None) -> tuple[float, int]:

@@ -270,16 +270,13 @@ class Config:
         return cls.__dataclass_fields__[name].default
 
     @classmethod
-    def from_record(cls, record: dict) -> "Config":
-        """A run's saved configuration (args.json, or a checkpoint's "args") as a Config: unknown keys are
-        ignored, missing ones take their defaults, paths become Paths again."""
-        known = {f.name: f for f in fields(cls)}
-        values = {}
-        for name, value in record.items():
-            if name in known:
-                path_field = known[name].metadata.get("argparse", {}).get("type") is Path
-                values[name] = Path(value) if path_field and value is not None else value
-        return cls(**values)
+    def from_record(cls, record: dict, source: str) -> "Config":
+        """A run's saved configuration (args.json, or a checkpoint's "args", read from `source`) as a Config, its
+        values through the command line's checks (`admitted`): unknown keys are ignored, missing ones take their
+        defaults."""
+        known = {f.name for f in fields(cls)} - {"script"}
+        script = record.get("script") if record.get("script") in SCRIPTS else SINGLE
+        return cls(**admitted({name: value for name, value in record.items() if name in known}, source), script=script)
 
     def record(self, **decided) -> dict:
         """JSON-able plain data (paths as strings), with what was decided from the flags (`decided`, e.g. the data
@@ -288,12 +285,12 @@ class Config:
         return {key: plain(value) for key, value in {**asdict(self), **decided}.items()}
 
 
-def build_parser(script: str, description: str) -> argparse.ArgumentParser:
-    """The command line of `script`: every Config field that is one of its flags, in its help group."""
-    parser = Parser(description=description, formatter_class=HelpFormatter)
+def add_flags(parser: argparse.ArgumentParser, script: str | None) -> argparse.ArgumentParser:
+    """Every Config field that is a flag of `script` (of any script: None) added to `parser`, in its help group."""
     groups = {}
     for f in fields(Config):
-        if f.default is MISSING or script not in f.metadata.get("scripts", ()):
+        scripts = f.metadata.get("scripts", ())  # none: not a flag (Config.script)
+        if f.default is MISSING or not scripts or (script is not None and script not in scripts):
             continue
         group = groups.get(f.metadata["group"]) or groups.setdefault(
             f.metadata["group"], parser.add_argument_group(f.metadata["group"])
@@ -301,12 +298,66 @@ def build_parser(script: str, description: str) -> argparse.ArgumentParser:
         group.add_argument(
             "--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **f.metadata["argparse"]
         )
+    return parser
+
+
+def build_parser(script: str, description: str) -> argparse.ArgumentParser:
+    """The command line of `script`: every Config field that is one of its flags, and --config."""
+    parser = add_flags(Parser(description=description, formatter_class=HelpFormatter), script)
     parser.add_argument(
         "--config",
         type=Path,
         help="start with the recipe and data of a run's args.json (RUN/args.json); flags given here still win",
     )
     return parser
+
+
+class Refused(Exception):
+    """A value the command line's checks refuse (admitted's parser raises it in place of exiting)."""
+
+
+class ValueParser(argparse.ArgumentParser):
+    """argparse raising Refused with the reason alone ("must be a finite number"), for admitted to word."""
+
+    def error(self, message):
+        raise Refused(message.split(": ", 1)[-1])
+
+
+@functools.cache
+def value_parser() -> ValueParser:
+    """Every Config field as a flag, of whichever script: the checks a value passes wherever it comes from."""
+    return add_flags(ValueParser(add_help=False, allow_abbrev=False), script=None)
+
+
+def as_typed(name: str, value) -> list[str]:
+    """The command-line words that give field `name` the value `value` (from a JSON file, say), as a user would
+    type them: a switch as --sync-bn or --no-sync-bn, any other value as --lr=text (a float's shortest round-trip
+    text). None leaves a field that may be None at its default; Refused for what no typing gives."""
+    option = "--" + name.replace("_", "-")
+    action = Config.__dataclass_fields__[name].metadata["argparse"].get("action")
+    if value is None and Config.default(name) is None:
+        return []
+    if action in ("store_true", argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise Refused("must be true or false")
+        return [option] if value else ([] if action == "store_true" else ["--no-" + option[2:]])
+    if not isinstance(value, str | int | float) or isinstance(value, bool):
+        raise Refused("must be a number or a word, as typed on the command line")
+    return [f"{option}={repr(value) if isinstance(value, float) else value}"]
+
+
+def admitted(values: dict, source: str) -> dict:
+    """`values` (Config fields by name) from `source` (a --config file, a checkpoint's record: anything but the
+    command line) through the command line's own checks, each as if typed there: the same types, ranges and
+    finiteness, in the same words. The values as the command line gives them; UserError naming the source, the
+    flag and the value otherwise."""
+    checked = {}
+    for name, value in values.items():
+        try:
+            checked[name] = getattr(value_parser().parse_args(as_typed(name, value)), name)
+        except Refused as refusal:
+            raise UserError(f"{source}: --{name.replace('_', '-')} {json.dumps(value)}: {refusal}") from None
+    return checked
 
 
 def parse_config(script: str, description: str, argv=None) -> Config:
@@ -340,5 +391,5 @@ def recipe_of(path: Path) -> dict:
         raise UserError(f"--config {path} is not a run's args.json ({error})") from None
     if not isinstance(record, dict):
         raise UserError(f"--config {path} is not a run's args.json (a JSON object of flags)")
-    saved = Config.from_record(record)
-    return {name: getattr(saved, name) for name in (*Config.recipe_fields(), "data_path", "demo") if name in record}
+    wanted = (*Config.recipe_fields(), "data_path", "demo")
+    return admitted({name: record[name] for name in wanted if name in record}, f"--config {path}")

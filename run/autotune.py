@@ -32,7 +32,6 @@ normally alike).
 """
 
 import datetime
-import json
 import math
 import os
 import time
@@ -46,7 +45,7 @@ from machine import AVX2_CAPS, available_cores, cores_per_process, cpu_bfloat16,
 from model import create_model, freeze_all_but_head
 from multi_train_utils.distributed_utils import broadcast_object, get_world_size, is_main_process, print_once
 from recipe.precision import AMP_DTYPES, Compute, amp_flag, choose_compute, short_name, summary
-from utils import OutputError, write_json
+from utils import NUMBER, OutputError, UserError, misfits, read_json, warn, write_json
 
 # Where the choices are kept (a file path), instead of the user's cache folder: for tests, or a shared disk.
 CACHE_ENV = "FLOWERS_AUTOTUNE_CACHE"
@@ -77,6 +76,12 @@ class Choice:
     @property
     def compute(self) -> Compute:
         return Compute(AMP_DTYPES[self.amp], self.channels_last)
+
+
+# A remembered choice in the cache file, as remember() writes it (utils.misfits' shapes)
+CHOICE_SHAPE = {"amp": str, "channels_last": bool, "workers": int, "measured": dict, "load_ms": (NUMBER, type(None)),
+                "seconds": NUMBER, "date": str, "lines": list}  # fmt: skip
+ENTRY_SHAPE = {"key": dict, "choice": CHOICE_SHAPE}
 
 
 def tune(config, plan, device: torch.device, processes_here: int, train_set) -> tuple[int, Compute]:
@@ -350,14 +355,17 @@ def cache_key(config, plan, device: torch.device, processes_here: int) -> dict:
 
 
 def remembered(path: Path, key: dict) -> Choice | None:
-    """The choice the file holds for `key`, with the line saying so; None if it holds none (or is unreadable)."""
-    entry = next((entry for entry in read_entries(path) if entry.get("key") == key), None)
+    """The choice the file holds for `key`, with the line saying so; None if it holds none. A damaged file (cut
+    short, edited by hand, of another version) holds none: one warning says so, and remember() replaces it."""
     try:
-        choice = Choice(**entry["choice"])
-        if choice.amp not in AMP_DTYPES or choice.workers < 0:
-            raise ValueError(choice)
-    except (TypeError, KeyError, ValueError):  # no entry, or one that is not a choice (edited by hand?)
+        entries = read_entries(path)
+    except UserError as damage:
+        warn(f"{damage}: measuring again, and replacing it")
         return None
+    found = next((entry["choice"] for entry in entries if entry["key"] == key), None)
+    if found is None:
+        return None
+    choice = Choice(**{name: found.get(name) for name in CHOICE_SHAPE})  # (fields a later version adds: not read)
     line = (
         f"Auto: {short_name(choice.compute)}, {choice.workers} loader workers, as measured on {choice.date} for "
         f"this machine and configuration ({path}; --remeasure measures again)"
@@ -365,27 +373,46 @@ def remembered(path: Path, key: dict) -> Choice | None:
     return Choice(**{**asdict(choice), "lines": (line,)})
 
 
-def read_entries(path: Path) -> list:
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):  # none yet, or not JSON: as good as empty (remember() rewrites it)
+def read_entries(path: Path) -> list[dict]:
+    """The file's entries, {"key": ..., "choice": ...} each (none before it is written); UserError naming it if it
+    is not one this code wrote whole: not JSON, another version, an entry of another shape or a choice no run
+    makes (an --amp unknown, workers below 0)."""
+    if not path.exists():
         return []
-    return cache.get("entries", []) if isinstance(cache, dict) and cache.get("version") == CACHE_VERSION else []
+    cache = read_json(path, "autotune cache")
+    if cache.get("version") != CACHE_VERSION:
+        raise UserError(f"autotune cache {path} is of another version ({cache.get('version')!r}, not {CACHE_VERSION})")
+    damage = misfits(cache, {"entries": [ENTRY_SHAPE]})
+    for entry in [] if damage else cache["entries"]:
+        choice = entry["choice"]
+        damage += [f"amp {choice['amp']!r} is no --amp"] * (choice["amp"] not in AMP_DTYPES)
+        damage += [f"workers is {choice['workers']}"] * (choice["workers"] < 0)
+    if damage:
+        raise UserError(f"autotune cache {path} is damaged ({'; '.join(damage[:3])})")
+    return cache["entries"]
 
 
 def remember(path: Path, key: dict, choice: Choice) -> bool:
     """Add (or replace) the choice for `key` in the file: under a lock, so that runs starting together all keep
-    theirs, and written whole or not at all (utils.write_atomically). False if the file cannot be written (the
-    run trains all the same)."""
+    theirs, and written whole or not at all (utils.write_atomically); a damaged file is replaced. False if the
+    file cannot be written (the run trains all the same)."""
     entry = {"key": key, "choice": {**asdict(choice), "lines": []}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(f"{path}.lock", timeout=60):
-            entries = [old for old in read_entries(path) if old.get("key") != key]
+            entries = [old for old in entries_to_keep(path) if old["key"] != key]
             write_json(path, {"version": CACHE_VERSION, "entries": [*entries, entry]})
     except (OSError, OutputError, Timeout):
         return False
     return True
+
+
+def entries_to_keep(path: Path) -> list[dict]:
+    """The file's entries; none if it is damaged (remembered() warned of it): it is replaced whole."""
+    try:
+        return read_entries(path)
+    except UserError:
+        return []
 
 
 def kept_not(path: Path) -> str:

@@ -7,13 +7,16 @@ from pathlib import Path
 
 import torch
 
-from utils import write_atomically
+from utils import advice, read_json_lines, write_atomically
+
+METRICS_NAME = "metrics.jsonl"  # in a run's folder: a line per epoch
 
 
 def epoch_metrics(epoch: int, lr: float, trained: tuple, seconds: tuple, confusion, expected: tuple, process):
     """One line of metrics.jsonl: the epoch's loss and images trained on (`trained`), its validation counts
-    (overall and per class, from the confusion matrix), rate, speed and time (`seconds`: training, whole epoch),
-    and the images skipped because they could not be read: `expected` (training, validation) less those used."""
+    (overall and per class, from the confusion matrix), rate, speed and time (`seconds`: training, whole epoch;
+    in an epoch resumed from a step, counted from Training.epoch_start, both parts of it), and the images skipped
+    because they could not be read: `expected` (training, validation) less those used."""
     (train_loss, train_images), (train_seconds, epoch_seconds) = trained, seconds
     world_size, device = process.world_size, process.device
     val_correct, val_total = int(confusion.trace()), int(confusion.sum())
@@ -77,15 +80,26 @@ def peak_rss_mib() -> int | None:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20)
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The epochs metrics.jsonl holds (none before it is written); UserError naming the file and the line if one is
+    not an epoch's (truncated, say, or edited by hand): a run stops rather than rewrite the record of its epochs."""
+    if not path.exists():
+        return []
+    with advice("mend it (a JSON object a line, each with its epoch), then run again"):
+        return read_json_lines(path, "metrics file", numbers=("epoch",))
+
+
 def keep_metrics_before(path: Path, epoch: int) -> None:
     """Drop metrics lines of epochs the resumed run will train again (written after the last checkpoint)."""
     if path.exists():
-        lines = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["epoch"] < epoch]
-        write_atomically(path, lambda f: f.writelines(lines))
+        write_metrics(path, [metrics for metrics in read_metrics(path) if metrics["epoch"] < epoch])
 
 
 def append_metrics(path: Path, metrics: dict) -> None:
     """Add the epoch's line to metrics.jsonl. The file is rewritten whole (it is small), never appended to: a full
     disk cannot leave half a line in it."""
-    lines = path.read_text() if path.exists() else ""
-    write_atomically(path, lambda f: f.write(lines + json.dumps(metrics) + "\n"))
+    write_metrics(path, [*read_metrics(path), metrics])
+
+
+def write_metrics(path: Path, epochs: list[dict]) -> None:
+    write_atomically(path, lambda f: f.writelines(json.dumps(metrics) + "\n" for metrics in epochs))

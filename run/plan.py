@@ -14,11 +14,12 @@ from filelock import BaseFileLock, FileLock, Timeout
 from dataset.demo import DEMO_DATA_PATH, make_demo_data
 from dataset.folders import DataSplit, read_split_data, split_fingerprint
 from dataset.image_check import ImageCheck
-from model import create_model, load_weights, weights_file
+from model import create_model, load_weights, random_draws, weights_file
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from multi_train_utils.distributed_utils import check_backend, launcher_environment
-from recipe.config import Config
-from utils import UserError, check_writable, describe
+from recipe.config import Config, admitted
+from run.metrics import METRICS_NAME, read_metrics
+from utils import UserError, check_writable, describe, run_files_in
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,9 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     check_writable(output_dir)
     if first_rank():  # under torchrun every rank prepares; rank 0 writes
         hold_run_folder(output_dir)  # before looking at what the folder holds: another live run may be writing it
-    if resume is None and (output_dir / "metrics.jsonl").exists():
-        raise UserError(
-            f"{output_dir} already holds a run: continue it with --auto-resume, or choose another --output-dir"
-        )
+    claim_run_folder(output_dir, resume, restart=config.auto_resume and resume is None)
+    if resume is not None:
+        read_metrics(output_dir / METRICS_NAME)  # a damaged record of the epochs refuses the resume before any write
     if first_rank():
         check.save(output_dir)  # the images' verdicts, for the next start of this run (a restart, a resume)
     return config, Plan(Path(data_path), split, output_dir, weights, resume, given)
@@ -82,6 +82,11 @@ def check_split(config: Config, split: DataSplit, data_path: Path, world_size: i
             print(f"note: --val-rate {config.val_rate} is ignored: {data_path} holds train/ and val/, used as given")
     if split.unreadable and config.strict_images:
         raise UserError(f"{len(split.unreadable)} unreadable image(s) (--strict-images): {describe(split.unreadable)}")
+    if len(split.classes) < 2:  # one class: its loss is 0 from the first step, and nothing is learnt
+        raise UserError(
+            f"{data_path} has one class folder ({split.classes[0]}): a classifier needs at least 2 classes to tell "
+            "apart, each a sub-folder of the data path"
+        )
     if config.num_classes is not None and config.num_classes != len(split.classes):
         raise UserError(
             f"--num-classes {config.num_classes} but {data_path} has {len(split.classes)} class folders: "
@@ -119,7 +124,36 @@ def hold_run_folder(folder: Path) -> None:
             f"{folder} is in use by another run (which holds {folder / RUN_LOCK}): wait for that run to end, or "
             "choose another --output-dir"
         ) from None
+    except OSError as error:  # a lock file that is a folder, or that this user may not open
+        raise UserError(
+            f"cannot take the lock {folder / RUN_LOCK}: {error.strerror or error} (a run's lock is a file this user "
+            f"can open): if no run is using {folder}, remove it and run again"
+        ) from None
     held_run_folders[folder.resolve()] = lock
+
+
+def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> None:
+    """Refuse, before any file is touched, a run that would write into another run's folder. A resume writes into
+    its checkpoint's folder, or into one that holds no run's files (and says so); a new run into one that holds
+    none; a restart (--auto-resume finding no checkpoint: the run stopped before its first epoch ended) into one
+    that holds no finished epoch. Under torchrun every rank prepares and refuses alike, before any of them writes
+    (the process group forms after prepare)."""
+    if resume is not None and output_dir.resolve() == resume.parent.resolve():
+        return
+    found = run_files_in(output_dir)
+    if restart:
+        found = [name for name in found if name in ("metrics.jsonl", "weights/*.pth")]
+    if found:
+        where = (
+            f"resume {resume} in its own folder (leave out --output-dir) or into a new or empty one"
+            if resume is not None
+            else f"with no {CHECKPOINT_NAME} to continue from: choose another --output-dir"
+            if restart
+            else "continue it with --auto-resume, or choose another --output-dir"
+        )
+        raise UserError(f"{output_dir} already holds a run ({', '.join(found)}): {where}")
+    if resume is not None and first_rank():
+        print(f"The run continues in {output_dir}, a folder of its own: {resume.parent} is left as it was", flush=True)
 
 
 def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_size: int):
@@ -135,10 +169,23 @@ def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_s
         state = load_checkpoint(resume)
         if state["classes"] != split.classes:
             raise UserError(f"{resume} was trained on classes {state['classes']}, the data has {split.classes}")
-        check_same_recipe(resume, state["args"], config)
-        check_same_split(resume, state["args"].get("split"), split_fingerprint(split, data_path))
-        return resume, output_dir or resume.parent, state["args"] | {"world_size": state["world_size"]}
+        saved = run_record(resume, state)
+        check_same_recipe(resume, saved, config)
+        check_same_split(resume, saved.get("split"), split_fingerprint(split, data_path))
+        return resume, output_dir or resume.parent, saved
     return None, output_dir or Path("runs") / f"{config.script}-{time.strftime('%Y%m%d-%H%M%S')}", None
+
+
+def run_record(checkpoint: Path, state: dict) -> dict:
+    """The checkpoint's record of its run ("args"), its flags through the command line's checks (recipe.config's
+    admitted: a record edited by hand is refused in one line, as its flags typed would be), with the number of
+    processes it was saved by ("world_size") and the one its --batch-size and --lr are given for."""
+    source = f"checkpoint {checkpoint}"
+    checked = Config.from_record(state["args"], source).record()
+    saved = {name: checked.get(name, value) for name, value in state["args"].items()}
+    counts = {"world_size": state["world_size"], "recipe_world_size": saved.get("recipe_world_size")}
+    counts["recipe_world_size"] = counts["recipe_world_size"] or counts["world_size"]  # older runs: the same
+    return saved | {name: admitted({"world_size": n}, f"{source} ({name})")["world_size"] for name, n in counts.items()}
 
 
 def per_process_recipe(config: Config, saved: dict | None, world_size: int, checkpoint: Path | None):
@@ -170,6 +217,12 @@ def per_process_recipe(config: Config, saved: dict | None, world_size: int, chec
             f"per process (the run's --batch-size {config.batch_size}, --lr {config.lr:g}), the same "
             f"{images * config.accumulate} images and rate a step"
         )
+        if random_draws(config.model):  # drawn per process, for its share of the batch: not the same draws
+            print(
+                f"note: {config.model}'s {' and '.join(random_draws(config.model))} draw for each process's share of "
+                f"a batch: on {world_size} process(es) other masks than on the run's {recipe_world_size}, so this run "
+                "keeps the recipe, not the uninterrupted run's exact weights (docs/resuming-and-failures.md)"
+            )
     return replace(config, batch_size=batch, lr=lr), given
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from multi_train_utils.stop_and_resume import STOP_SIGNALS
-from utils import UserError, atomic_file, check_writable, positive_int
+from utils import atomic_file, check_new_file, positive_int
 
 FORMATS = (".csv", ".jsonl")
 DECIMALS = 6  # of each probability: 1e-6 is far below any difference between two classes worth reading
@@ -68,13 +68,8 @@ def check_results_file(path: Path | None, force: bool) -> None:
     """UserError, before anything is computed, unless `path` (--results) can be written: not a folder, not an
     existing file (without --force: nothing is replaced unasked, as export.py's output), in a folder that can be
     made or written to."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise UserError(f"--results {path} is a folder: name a .csv or .jsonl file")
-    if path.exists() and not force:
-        raise UserError(f"{path} exists: name another --results, or pass --force to replace it")
-    check_writable(path.parent)
+    if path is not None:
+        check_new_file(path, "--results", force)
 
 
 class ResultsWriter:

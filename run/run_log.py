@@ -12,7 +12,7 @@ from multi_train_utils.distributed_utils import print_once
 from recipe.loss import describe_class_weights
 from recipe.optimizer import describe_learning_rate
 from recipe.precision import Compute, amp_flag
-from run.metrics import append_metrics, keep_metrics_before, skipped_note
+from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before, skipped_note
 from run.tensorboard import Board
 from utils import OutputError, describe, write_failure, write_json
 
@@ -60,7 +60,7 @@ class RunLog:
             return
         write_class_indices(self.classes, self.output_dir)
         if start_epoch > 0:
-            keep_metrics_before(self.output_dir / "metrics.jsonl", start_epoch)
+            keep_metrics_before(self.output_dir / METRICS_NAME, start_epoch)
         print(f'Output: {self.output_dir}  (TensorBoard: tensorboard --logdir "{self.output_dir / "tb"}")', flush=True)
         write_json(self.output_dir / "args.json", self.record)
         self.board = Board(self.output_dir / "tb", self.record, preview_set, start_epoch)
@@ -102,6 +102,6 @@ class RunLog:
         )
         try:
             self.board.epoch(metrics, best_acc, model, self.classes, self.compute)
-            append_metrics(self.output_dir / "metrics.jsonl", metrics)
+            append_metrics(self.output_dir / METRICS_NAME, metrics)
         except OSError as error:  # TensorBoard's writer: a full disk, a vanished folder, ...
             raise OutputError(write_failure(Path(error.filename or self.output_dir), error)) from None

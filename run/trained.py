@@ -6,7 +6,6 @@ beside it or one folder up; a checkpoint.pth carries them itself.
 """
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from multi_train_utils.stop_and_resume import ignore_stop_signals
 from my_dataset import MyDataSet
 from recipe.config import Config
 from recipe.precision import Compute, choose_compute
-from utils import UserError, number, positive_int, safe_load
+from utils import UserError, advice, number, positive_int, read_json, safe_load
 
 
 @dataclass
@@ -50,15 +49,6 @@ def run_file(weights: Path, name: str) -> Path | None:
 def run_folder(weights: Path) -> Path:
     """The run folder: the one that holds weights/ for best.pth, last.pth ..., else the weights' own folder."""
     return weights.parent.parent if weights.parent.name == "weights" else weights.parent
-
-
-def read_json(path: Path, what: str):
-    try:
-        return json.loads(path.read_text())
-    except OSError as error:
-        raise UserError(f"cannot read {what} {path}: {error.strerror}") from None
-    except ValueError as error:  # not JSON, or not text at all
-        raise UserError(f"{what} {path} is not valid JSON ({error})") from None
 
 
 def class_names(indices, path: Path) -> list[str]:
@@ -101,11 +91,16 @@ def load_trained_model(
             f"no class names for {weights}: no class_indices.json beside it or in its run folder; "
             "pass --class-indices RUN/class_indices.json"
         )
-    run_args = read_json(args_file, "run flags file") if args_file is not None else checkpoint.get("args", {})
+    if args_file is not None:
+        run_args, args_from = read_json(args_file, "run flags file"), f"run flags file {args_file}"
+    else:
+        run_args, args_from = checkpoint.get("args", {}), f"checkpoint {weights}"
     if not isinstance(run_args, dict):
-        raise UserError(f"run flags file {args_file} does not hold the flags of a run (a JSON object)")
+        raise UserError(f"{args_from} does not hold the flags of a run (a JSON object)")
 
-    run = Config.from_record(run_args)
+    run = Config.from_record(run_args, args_from)
+    recorded = args_file is not None or run_args  # else the run is unknown: the defaults
+    named_by = "--model" if architecture else f"the --model of {args_from}" if recorded else "the default --model"
     architecture = architecture or run.model
     head = head_classes(state_dict, architecture)
     if head is not None and head != len(classes):
@@ -114,7 +109,8 @@ def load_trained_model(
             f"but {classes_from} names {len(classes)}: {', '.join(classes)}"
         )
     model = create_model(len(classes), architecture)
-    load_weights(model, state_dict, strict=True, name=architecture)
+    with advice(f"{architecture} is {named_by} (--model NAME says which)"):
+        load_weights(model, state_dict, strict=True, name=architecture, what=f"weights file {weights}")
     # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
     # (Weights whose run is unknown, or recorded "auto" before runs recorded what auto chose: float32 NCHW.)
     compute = choose_compute(run.amp, run.channels_last, device)[0] if run_args else Compute()

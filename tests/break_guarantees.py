@@ -5,7 +5,8 @@
 
 A test that cannot fail proves nothing: this shows each one in docs/guarantees.md can. The breaks in the launch
 script show that the scripts' own wiring is guarded too, not only the shared functions it calls. Every break is
-made in a throw-away copy of the repository's tracked files, never in your working tree.
+made in a throw-away copy of the repository's files (those git tracks, and new ones it does not ignore), never in
+your working tree.
 """
 
 import shutil
@@ -18,6 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 EQ, TR, DI = "tests/test_equivalence.py::", "tests/test_training.py::", "tests/test_distributed.py::"
 WI, WO = "tests/test_wiring.py::", "tests/test_words.py::"
 HS, GP = "tests/test_host_syncs.py::", "tests/test_gpu_path.py::"
+OG = "tests/test_one_gate.py::"
+RESUME_MATRIX = (
+    "tests/test_resume_matrix.py::test_every_interrupted_run_resumes_to_the_uninterrupted_runs_weights_and_metrics"
+)
+FR = "tests/test_files_read_back.py::"
 NO_WAIT_STEP = HS + "test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing"
 STEP_TEST = EQ + "test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch"
 SHARD_TEST = EQ + "test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch"
@@ -105,9 +111,10 @@ BREAKS = [
      "        for param in params if config.momentum else []:\n", "        for param in []:\n",
      GP + "test_float16_steps_skipped_by_the_scaler_leave_the_fused_sgd_as_torchs_default_sgd_leaves_it"),
     ("11a every GPU's generator restored", "multi_train_utils/checkpoint.py",
-     "        training.ema.load_state_dict(state[\"ema\"])\n",
-     "        training.ema.load_state_dict(state[\"ema\"])\n    if torch.cuda.is_available() and \"rng\" in state:\n"
-     "        torch.cuda.set_rng_state_all(state[\"rng\"][\"cuda\"])\n",
+     "    return state[\"epoch\"] + 1, state[\"best_acc\"]\n",
+     "    if torch.cuda.is_available() and \"rng\" in state:\n"
+     "        torch.cuda.set_rng_state_all(state[\"rng\"][\"cuda\"])\n"
+     "    return state[\"epoch\"] + 1, state[\"best_acc\"]\n",
      GP + "test_a_checkpoint_saved_with_any_number_of_gpus_resumes_with_any_other"),
     ("11b a step's draws not seeded", "multi_train_utils/bookkeeping.py", "            self.seed_random_draws(step)\n",
      "", GP + "test_a_network_with_dropout_stopped_within_an_epoch_resumes_to_the_uninterrupted_runs_weights"),
@@ -121,11 +128,43 @@ BREAKS = [
     ("11e float16 resumes from an empty scaler", "multi_train_utils/checkpoint.py",
      'if state.get("scaler") and training.scaler is not None:', 'if state.get("scaler") is not None:',
      GP + "test_a_checkpoint_trained_without_float16_resumes_with_float16s_gradient_scaler"),
+    ("11f a resumed epoch timed from the resume", "multi_train_utils/stop_and_resume.py",
+     '"lr": self.lr, "seconds": self.seconds}', '"lr": self.lr}',
+     GP + "test_a_resumed_epochs_time_and_speed_count_its_training_before_the_stop_and_not_the_time_stopped"),
+    # Files read back are checked where they are read (tests/test_files_read_back.py)
+    ("12a autotune's cache trusted whatever its shape", "run/autotune.py",
+     'damage = misfits(cache, {"entries": [ENTRY_SHAPE]})', "damage = []",
+     FR + "test_a_damaged_autotune_cache_is_measured_again_with_one_warning_and_replaced"),
+    ("12b a checkpoint's entries trusted", "multi_train_utils/checkpoint.py",
+     "damage = misfits(state, CHECKPOINT_SHAPE)", "damage = []",
+     FR + "test_a_checkpoint_whose_entries_have_other_shapes_is_refused_naming_it"),
+    ("13a a resumed epoch draws one step early", "multi_train_utils/bookkeeping.py",
+     "self.epoch, step, get_rank())", "self.epoch, step - (self.midway is not None), get_rank())", RESUME_MATRIX),
+    ("13b nan passes the number check", "utils.py", "        if not math.isfinite(value):", "        if False:",
+     OG + "test_nan_and_infinity_are_refused_from_the_command_line_and_from_a_config_file"),
+    ("13c --config skips the checks", "recipe/config.py",
+     'return admitted({name: record[name] for name in wanted if name in record}, f"--config {path}")',
+     "return {name: record[name] for name in wanted if name in record}",
+     OG + "test_a_config_file_admits_a_value_exactly_when_the_command_line_admits_it_typed"),
+    ("13d a checkpoint's record unchecked", "run/plan.py",
+     '    checked = Config.from_record(state["args"], source).record()', '    checked = state["args"]',
+     OG + "test_a_checkpoints_record_is_admitted_by_the_same_checks_or_refused_naming_the_checkpoint"),
+    ("13e launcher variables unchecked", "multi_train_utils/distributed_utils.py",
+     "        return number(int, minimum, maximum)(text)", "        return int(text)",
+     OG + "test_a_launchers_counts_are_admitted_exactly_when_they_describe_a_job"),
+    ("13f a resume writes into another run", "run/plan.py", "    if found:\n", "    if False:\n",
+     "tests/test_run_folder.py::"
+     "test_a_resume_into_another_runs_folder_is_refused_and_one_into_a_new_folder_leaves_its_own_run_alone"),
 ]  # fmt: skip
 
 
 def main(selected: list[str]) -> int:
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    listing = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]  # new files too, not ignored ones
+    tracked = [
+        file
+        for file in subprocess.run(listing, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+        if (ROOT / file).is_file()  # (a file deleted in the working tree is still in git's index)
+    ]
     missed = 0
     for name, path, text, replacement, test in BREAKS:
         if selected and name.split()[0] not in selected:

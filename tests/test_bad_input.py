@@ -83,6 +83,24 @@ def test_a_batch_larger_than_a_process_share_of_the_data_is_one_line_and_exit_2(
     assert_user_error(result, "an epoch would have no step")
 
 
+@pytest.mark.fast
+def test_a_data_path_one_level_too_high_is_named_as_such(tmp_path, run_main):
+    (tmp_path / "data" / "flower_photos" / "daisy").mkdir(parents=True)  # the classes one level down
+    (tmp_path / "data" / "flower_photos" / "daisy" / "1.jpg").touch()
+    result = run_main("train_single_gpu.py", "--data-path", tmp_path / "data", "--output-dir", tmp_path / "run")
+    assert_user_error(result, "only sub-folders (daisy), whose images are not read")
+    assert "one level too high" in result.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.fast
+def test_data_of_one_class_is_refused_before_training(tiny_data, tmp_path, run_main):
+    shutil.copytree(tiny_data / "daisy", tmp_path / "data" / "daisy")
+    result = run_main("train_single_gpu.py", "--data-path", tmp_path / "data", "--output-dir", tmp_path / "run",
+                      "--epochs", "1", *FAST)  # fmt: skip
+    assert_user_error(result, "has one class folder (daisy): a classifier needs at least 2 classes")
+    assert not (tmp_path / "run").exists()
+
+
 def test_auto_resume_needs_an_output_folder(tiny_data, run_main):
     assert_user_error(run_main("train_single_gpu.py", "--data-path", tiny_data, "--auto-resume"), "--output-dir")
 

@@ -26,8 +26,10 @@ def test_a_config_is_frozen():
 def test_a_runs_record_loads_back_into_the_same_config(tmp_path):
     config = parse_config(SINGLE, "", ["--data-path", str(tmp_path), "--epochs", "3", "--output-dir", "out"])
     record = json.loads(json.dumps(config.record()))  # as args.json holds it
-    assert Config.from_record(record) == config
-    assert Config.from_record({"epochs": 3, "not_a_flag": 1}) == Config(epochs=3)  # unknown keys are ignored
+    assert Config.from_record(record, "args.json") == config
+    assert Config.from_record({"epochs": 3, "not_a_flag": 1}, "args.json") == Config(
+        epochs=3
+    )  # unknown keys are ignored
 
 
 def test_config_repeats_a_runs_recipe_and_data_and_the_command_line_still_wins(tmp_path):

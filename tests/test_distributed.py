@@ -60,7 +60,7 @@ def test_validation_counts_every_image_once_whatever_the_world_size(
     total = len(split.val_images)
     assert total % 2 and total % 3, f"pick a validation size neither 2 nor 3 divides, not {total}"
     spawn_world(_evaluate_shard, world_size, tiny_data, tmp_path / "ddp.pt")
-    single, ddp = single_process_confusion, torch.load(tmp_path / "ddp.pt")
+    single, ddp = single_process_confusion, torch.load(tmp_path / "ddp.pt", weights_only=True)
     assert int(single.sum()) == total  # nothing padded, nothing dropped
     assert (single.sum(dim=0) > 0).sum() >= 2, "the model should predict more than one class"
     assert torch.equal(ddp, single)  # same correct count, same per-class counts
@@ -83,7 +83,7 @@ def _sync_bn_step(rank, world_size, x, result_path):
 def test_cpu_sync_batchnorm_equals_batchnorm_over_the_whole_batch(tmp_path):
     x = torch.randn(6, 3, 5, 4, generator=torch.Generator().manual_seed(1)) * 3 + 1
     spawn_world(_sync_bn_step, 2, x, tmp_path / "r")
-    parts = [torch.load(f"{tmp_path / 'r'}.{rank}") for rank in range(2)]
+    parts = [torch.load(f"{tmp_path / 'r'}.{rank}", weights_only=True) for rank in range(2)]
 
     torch.manual_seed(0)
     bn = nn.BatchNorm2d(3)

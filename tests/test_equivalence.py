@@ -101,7 +101,7 @@ def both_ways(tmp_path_factory):
     folder = tmp_path_factory.mktemp("steps")
     spawn_world(_train_variants, 2, LR, folder / "ddp.pt")
     spawn_world(_train_variants, 1, 2 * LR, folder / "single.pt")
-    return torch.load(folder / "ddp.pt"), torch.load(folder / "single.pt")
+    return torch.load(folder / "ddp.pt", weights_only=True), torch.load(folder / "single.pt", weights_only=True)
 
 
 def max_difference(a: dict, b: dict, only=lambda name: True) -> float:
@@ -141,7 +141,7 @@ def _reduce(rank, world_size, result_path):
 def test_reduce_value_averages_or_sums_over_ranks_and_leaves_its_input_alone(tmp_path):
     spawn_world(_reduce, 3, tmp_path / "r")
     for rank in range(3):
-        result = torch.load(f"{tmp_path / 'r'}.{rank}")
+        result = torch.load(f"{tmp_path / 'r'}.{rank}", weights_only=True)
         assert result["mean"].item() == 2.0 and result["sum"].item() == 6.0
         assert result["kept"].item() == rank + 1
 
@@ -210,7 +210,7 @@ def test_accumulating_two_micro_batches_takes_the_step_of_one_batch_twice_as_lar
     spawn_world(_train_accumulated, 2, LR / 2, tmp_path / "ddp.pt")  # DDP: micro-batches of B / 2 on each rank
     whole = both_ways[1]["group_norm"]  # one process, one step on all 2B images at a time
     for path in ("one.pt", "ddp.pt"):
-        accumulated = torch.load(tmp_path / path)
+        accumulated = torch.load(tmp_path / path, weights_only=True)
         assert accumulated["images"] == STEPS * 2 * B
         assert max_difference(accumulated["state"], whole["state"]) <= TOLERANCE, path
         # the logged loss is the mean over every image, as without accumulation
@@ -259,10 +259,11 @@ def test_a_run_resumed_on_another_number_of_processes_takes_the_steps_of_the_uni
         _resize_legs, 1, resized(2, B, LR, 1), [(path("one.pth"), path("one.pt")), (path("two.pth"), path("2to1.pt"))]
     )
     spawn_world(_resize_legs, 2, resized(1, 2 * B, 2 * LR, 2), [(path("one.pth"), path("1to2.pt"))])
-    uninterrupted = torch.load(path("two.pt"))
+    uninterrupted = torch.load(path("two.pt"), weights_only=True)
     for name in ("one.pt", "2to1.pt", "1to2.pt"):
-        assert max_difference(torch.load(path(name)), uninterrupted) <= TOLERANCE, name
-    assert max_difference(uninterrupted, torch.load(path("two.pth"))["model"]) > 1e-3  # the later steps moved it
+        assert max_difference(torch.load(path(name), weights_only=True), uninterrupted) <= TOLERANCE, name
+    saved = torch.load(path("two.pth"), weights_only=True)["model"]
+    assert max_difference(uninterrupted, saved) > 1e-3  # the later steps moved it
 
 
 @pytest.mark.fast

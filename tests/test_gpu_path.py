@@ -2,7 +2,7 @@
 checkpoint of any number of GPUs resumes on any other; a step on cuda:N waits for its sums on cuda:N's stream; a
 checkpoint of a bfloat16 or float32 run resumes with float16's gradient scaler; cuDNN's autotuning is on; and the
 random numbers a step draws (dropout) are its own, so a resumed run draws what the uninterrupted one drew and no
-two ranks draw alike."""
+two ranks draw alike; and an epoch resumed after a stop at a step reports the time and speed of its whole training."""
 
 import copy
 import signal
@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import multi_train_utils.bookkeeping as bookkeeping
+import multi_train_utils.train_eval_utils as train_eval_utils
 from dataset.sampling import SeededSamples
 from multi_train_utils import stop_and_resume
 from multi_train_utils.checkpoint import load_checkpoint, restore, save_atomically, training_state
@@ -24,6 +25,7 @@ from multi_train_utils.train_eval_utils import Training, train_one_epoch
 from recipe.config import Config
 from recipe.optimizer import build_optimizer
 from recipe.precision import Compute
+from run.metrics import epoch_metrics
 
 pytestmark = pytest.mark.fast
 
@@ -55,9 +57,9 @@ def fresh_training() -> Training:
     return Training(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
 
 
-def loader():
-    """Seeded batches of 4, as the scripts' training loaders give them (a SeededBatchSampler)."""
-    dataset = SeededSamples(Images())
+def loader(images: Images | None = None):
+    """Seeded batches of 4 of `images` (Images()), as the scripts' training loaders give them (a SeededBatchSampler)."""
+    dataset = SeededSamples(Images() if images is None else images)
     return DataLoader(dataset, batch_sampler=shuffled_batches(dataset, 4, seed=0))
 
 
@@ -106,6 +108,54 @@ def test_a_network_with_dropout_stopped_within_an_epoch_resumes_to_the_uninterru
     resumed.midway = Midway(stop.value.step, stop.value.totals, stop.value.lr)
     train(resumed, loader(), range(1))
     assert_same(weights(resumed), weights(uninterrupted))
+
+
+class Clock:
+    """time.perf_counter for the code that times an epoch, moved on by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class SlowImages(Images):
+    """Images, each taking a quarter of a second of `clock` to load: a second a batch of 4."""
+
+    def __init__(self, clock: Clock):
+        super().__init__()
+        self.clock = clock
+
+    def __getitem__(self, index):
+        self.clock.now += 0.25
+        return super().__getitem__(index)
+
+
+def test_a_resumed_epochs_time_and_speed_count_its_training_before_the_stop_and_not_the_time_stopped(monkeypatch):
+    clock = Clock()
+    for module in (bookkeeping, train_eval_utils):
+        monkeypatch.setattr(module, "time", clock)
+    stopped, data = fresh_training(), loader(SlowImages(clock))
+    with stop_signals_noted(), pytest.raises(StopRequested) as stop:
+        stop_and_resume.noted.append(signal.SIGTERM)
+        train(stopped, data, range(1))
+    assert stop.value.seconds == stop.value.step == 2  # the two steps trained, a second each
+    clock.now += 3600  # stopped for an hour
+    resumed = fresh_training()
+    resumed.midway = Midway.of({"midway": stop.value.midway()})  # as the checkpoint holds it
+    start = resumed.epoch_start()  # as the scripts time an epoch
+    trained = train_one_epoch(resumed, loader(SlowImages(clock)), "cpu", 0)
+    seconds = (clock.now - start, clock.now + 1 - start)  # (training, with a second of validation)
+    process = SimpleNamespace(world_size=1, device=torch.device("cpu"))
+    metrics = epoch_metrics(0, 0.1, trained, seconds, torch.eye(2, dtype=torch.int64), (16, 2), process)
+    assert metrics["train_images"] == 16 and metrics["epoch_seconds"] == 5.0  # the epoch's 4 steps, validated
+    assert metrics["train_images_per_sec"] == 4.0  # its 16 images in its 4 seconds of training
+
+
+def test_a_checkpoint_stopped_at_a_step_by_an_earlier_version_resumes_counting_no_seconds_before_the_stop():
+    midway = Midway.of({"midway": {"step": 2, "totals": [1.0, 8.0, 0.0], "lr": 0.1}})
+    assert midway == Midway(2, [1.0, 8.0, 0.0], 0.1, seconds=0.0)
 
 
 def dropout_masks(rank: int, monkeypatch) -> list[torch.Tensor]:

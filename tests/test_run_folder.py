@@ -163,3 +163,25 @@ def test_a_changed_split_is_refused_naming_what_changed_and_a_checkpoint_without
         check_same_split(checkpoint, run, swapped)
     check_same_split(checkpoint, run, fingerprint_of(tmp_path, TRAIN, VAL))
     check_same_split(checkpoint, None, fewer)  # a run from before split fingerprints: resumed as before
+
+
+def test_a_resume_into_another_runs_folder_is_refused_and_one_into_a_new_folder_leaves_its_own_run_alone(
+    tiny_data, stopped_run, tmp_path, run_main
+):
+    own, other = copy_run(stopped_run, tmp_path), tmp_path / "other"
+    shutil.copytree(stopped_run, other)
+    (other / "checkpoint.pth").unlink()  # a run that crashed in its second epoch, without a checkpoint (args.json,
+    (other / "metrics.jsonl").unlink()  # class_indices.json, weights, tb and the image check left)
+    before, before_other = files_of(own), files_of(other)
+    flags = ("--data-path", tiny_data, *STOPPED_FLAGS, "--resume", own / "checkpoint.pth")
+    refused = run_main("train_single_gpu.py", *flags, "--output-dir", other)
+    assert_user_error(refused, f"{other} already holds a run (args.json, class_indices.json, weights/*.pth, tb/*)")
+    assert "in its own folder (leave out --output-dir) or into a new or empty one" in refused.stderr
+    new_run = run_main("train_single_gpu.py", "--data-path", tiny_data, *STOPPED_FLAGS, "--output-dir", other)
+    assert_user_error(new_run, "continue it with --auto-resume, or choose another --output-dir")
+    assert files_of(own) == before and files_of(other) == before_other
+
+    elsewhere = run_script("train_single_gpu.py", *flags, "--output-dir", tmp_path / "new")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert f"The run continues in {tmp_path / 'new'}, a folder of its own: {own} is left as it was" in elsewhere.stdout
+    assert files_of(own) == before and load_checkpoint(tmp_path / "new" / "checkpoint.pth")["epoch"] == 1

@@ -194,3 +194,22 @@ def test_tta_averages_the_probabilities_of_each_image_and_its_mirror_image():
         averaged = log_probabilities(trained, images, tta=True).exp()
     assert not torch.allclose(plain, mirrored)  # the mirror image is scored otherwise: there is something to average
     torch.testing.assert_close(averaged, (plain + mirrored) / 2)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "script, flag", [("predict.py", "--results"), ("evaluate.py", "--results"), ("export.py", "--output")]
+)
+def test_no_results_or_export_replaces_a_file_of_a_run_even_with_force(tmp_path, run_main, script, flag):
+    (tmp_path / "args.json").write_text("{}")  # tmp_path holds a run: its record may not be replaced by another command
+    (tmp_path / "a.jpg").touch()
+    weights = ["--weights", tmp_path / "best.pth"]
+    given = {"predict.py": [tmp_path, *weights], "evaluate.py": weights, "export.py": [tmp_path / "best.pth"]}[script]
+    records = ["metrics.jsonl"] + (["weights/last.pth", "checkpoint.pth"] if script == "export.py" else [])
+    for record in records:
+        target = tmp_path / record
+        result = run_main(script, *given, flag, target, "--force", *["--format", "onnx"] * (script == "export.py"))
+        assert_user_error(
+            result, f"{flag} {target} is a file of the run in {tmp_path}, which no other command replaces"
+        )
+        assert not target.exists()

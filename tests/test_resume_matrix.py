@@ -1,0 +1,125 @@
+"""The exact resume across the cases it promises: networks that draw random numbers in their forward pass
+(dropout: MobileNetV3; stochastic depth and dropout: EfficientNet), loader workers 0, 1 and 2, persistent or not,
+and every recipe switch that draws random numbers (mixup, cutmix, random erasing, TrivialAugment), stopped by a
+signal within an epoch or crashed at an epoch's start (the checkpoint of the last epoch, as after kill -9): the
+resumed run ends bitwise as the uninterrupted one, its weights and every epoch's metrics.
+
+The runs are the scripts' own mains, called in this process (a run of these tiny networks takes a second or two;
+an interpreter importing torch anew would take longer). A stop is the scripts' own: a signal noted at a step, as
+the handler notes SIGTERM (test_preemption.py sends real signals to real processes, for ResNet-18, under torchrun
+and spawn; test_failures.py kills one with SIGKILL)."""
+
+import importlib
+import signal
+
+import pytest
+import torch
+from conftest import FAST, PINNED_COMPUTE, final_weights, metrics_without_timings
+
+from multi_train_utils import stop_and_resume
+from multi_train_utils.checkpoint import load_checkpoint
+from recipe.config import Config
+from run.plan import per_process_recipe
+
+# Epoch 0 stopped at its 3rd step of 6, or a crash at the start of epoch 1; 2 epochs in all.
+STOP, CRASH = ("stop", 0, 2), ("crash", 1)
+FLAGS = ("--epochs", "2", *FAST[:4], *PINNED_COMPUTE)  # 32 px, batch 8, bfloat16 where native, NCHW
+SWITCHES = (
+    "--mixup-alpha",
+    "0.2",
+    "--cutmix-alpha",
+    "1.0",
+    "--random-erase",
+    "0.5",
+    "--auto-augment",
+    "trivialaugment",
+)
+# (script, network, recipe switches, [(loader workers, persistent, interruption), ...]), each against one
+# uninterrupted run with the first cell's workers (the images do not depend on the number of workers:
+# test_equivalence.py's test_augmented_tensors_do_not_depend_on_the_number_of_loader_workers).
+MATRIX = [
+    ("train_single_gpu", "mobilenet_v3_small", (), [(0, True, STOP), (2, True, STOP), (1, False, CRASH)]),
+    ("train_single_gpu", "efficientnet_b0", SWITCHES, [(0, True, STOP), (2, False, CRASH)]),
+    ("train_multi_gpu_using_launch", "efficientnet_b0", SWITCHES, [(1, True, STOP)]),  # DDP, a group of one
+]
+
+
+def workers(count: int, persistent: bool) -> tuple:
+    return "--workers", count, "--persistent-workers" if persistent else "--no-persistent-workers"
+
+
+class Crash(Exception):
+    """A process dying at the start of an epoch: what it leaves is the checkpoint of the epoch before."""
+
+
+class StopAt:
+    """The loader's batches, with a stop signal noted as batch `step` loads (the handler's note: the run stops at
+    the step its ranks agree on, then saves it)."""
+
+    def __init__(self, data_loader, step: int):
+        self.data_loader, self.step = data_loader, step
+
+    def __len__(self):
+        return len(self.data_loader)
+
+    def __iter__(self):
+        for step, batch in enumerate(self.data_loader):
+            if step == self.step:
+                stop_and_resume.noted.append(signal.SIGTERM)
+            yield batch
+
+
+def run(script: str, flags, monkeypatch, interruption=None) -> None:
+    """`script`'s main on `flags`, interrupted as `interruption` says (None: not at all)."""
+    module = importlib.import_module(script)
+    real = module.train_one_epoch
+
+    def interrupted(training, data_loader, device, epoch, *how, **options):
+        if interruption == ("crash", epoch):
+            raise Crash
+        if interruption and interruption[0] == "stop" and epoch == interruption[1]:
+            data_loader = StopAt(data_loader, interruption[2])
+        return real(training, data_loader, device, epoch, *how, **options)
+
+    monkeypatch.setattr(module, "train_one_epoch", interrupted)
+    try:
+        module.main([str(flag) for flag in flags])
+    except SystemExit as stop:  # stopped by the signal: 128 + SIGTERM; a finished run returns
+        assert interruption and interruption[0] == "stop" and stop.code == 128 + signal.SIGTERM, stop.code
+    except Crash:
+        assert interruption and interruption[0] == "crash"
+    finally:
+        monkeypatch.setattr(module, "train_one_epoch", real)
+
+
+@pytest.mark.parametrize("script, network, switches, cells", MATRIX, ids=[f"{m[0]}-{m[1]}" for m in MATRIX])
+def test_every_interrupted_run_resumes_to_the_uninterrupted_runs_weights_and_metrics(
+    tiny_data, tmp_path, monkeypatch, script, network, switches, cells
+):
+    flags = ("--data-path", tiny_data, *FLAGS, "--model", network, *switches)
+    run(script, (*flags, *workers(*cells[0][:2]), "--output-dir", tmp_path / "whole"), monkeypatch)
+    expected, expected_metrics = final_weights(tmp_path / "whole"), metrics_without_timings(tmp_path / "whole")
+    for count, persistent, interruption in cells:
+        out = tmp_path / f"{interruption[0]}-{count}-{persistent}"
+        cell = (*flags, *workers(count, persistent), "--output-dir", out)
+        run(script, cell, monkeypatch, interruption)
+        state = load_checkpoint(out / "checkpoint.pth")
+        assert ("midway" in state) == (interruption[0] == "stop")  # a step of epoch 0, or the end of epoch 0
+        run(script, (*cell, "--auto-resume"), monkeypatch)
+        weights = final_weights(out)
+        assert all(torch.equal(expected[k], weights[k]) for k in expected), f"{interruption}, {count} workers"
+        assert metrics_without_timings(out) == expected_metrics
+
+
+@pytest.mark.parametrize("network, draws", [("resnet18", ()), ("mobilenet_v3_small", ("Dropout",))])
+def test_a_resume_on_another_number_of_processes_says_where_random_draws_make_it_inexact(capsys, network, draws):
+    # Dropout's masks are drawn for each process's share of a batch: two processes' two masks of 4 images are not
+    # one process's mask of 8. The recipe holds (per_process_recipe); exactness cannot, and the run says so.
+    config = Config(model=network, batch_size=4, lr=0.1)
+    resized, _ = per_process_recipe(config, {"world_size": 2, "recipe_world_size": 2}, 1, "run/checkpoint.pth")
+    assert (resized.batch_size, resized.lr) == (8, 0.2)
+    said = capsys.readouterr().out
+    assert ("note: mobilenet_v3_small's Dropout draw for each process's share" in said) == bool(draws), said
+    # the same number of processes: exact, and nothing said
+    per_process_recipe(config, {"world_size": 1, "recipe_world_size": 1}, 1, "run/checkpoint.pth")
+    assert "note:" not in capsys.readouterr().out
