@@ -142,7 +142,7 @@ def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> No
         return
     found = run_files_in(output_dir)
     if restart:
-        found = [name for name in found if name in ("metrics.jsonl", "weights/*.pth")]
+        found = [name for name in found if name in (METRICS_NAME, "weights/*.pth")]  # a finished epoch's files
     if found:
         where = (
             f"resume {resume} in its own folder (leave out --output-dir) or into a new or empty one"
@@ -217,9 +217,10 @@ def per_process_recipe(config: Config, saved: dict | None, world_size: int, chec
             f"per process (the run's --batch-size {config.batch_size}, --lr {config.lr:g}), the same "
             f"{images * config.accumulate} images and rate a step"
         )
-        if random_draws(config.model):  # drawn per process, for its share of the batch: not the same draws
+        draws = random_draws(config.model)  # drawn per process, for its share of the batch: not the same draws
+        if draws:
             print(
-                f"note: {config.model}'s {' and '.join(random_draws(config.model))} draw for each process's share of "
+                f"note: {config.model}'s {' and '.join(draws)} draw for each process's share of "
                 f"a batch: on {world_size} process(es) other masks than on the run's {recipe_world_size}, so this run "
                 "keeps the recipe, not the uninterrupted run's exact weights (docs/resuming-and-failures.md)"
             )
