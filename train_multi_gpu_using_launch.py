@@ -80,6 +80,7 @@ def train(config, plan, process) -> dict:
     model = initial_model(
         config.model, len(plan.split.classes), device, compute.memory_format,
         seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
+        grad_checkpointing=config.grad_checkpointing,
     )  # fmt: skip
     if config.sync_bn and not config.freeze_layers:  # (frozen layers: synchronised statistics would buy nothing)
         model = convert_sync_batchnorm(model)  # DDP: BatchNorm statistics over the global batch
@@ -92,7 +93,7 @@ def train(config, plan, process) -> dict:
     training = Training(
         trained, optimizer, scheduler, compute, compute.grad_scaler(device),
         objective=build_objective(config, plan.split, device), accumulate=config.accumulate,
-        ema=model_ema(model, config.ema_decay) if config.model_ema else None,
+        clip_grad_norm=config.clip_grad_norm, ema=model_ema(model, config.ema_decay) if config.model_ema else None,
     )  # fmt: skip
     start_epoch, best_acc = resume_from(plan.resume, model, training, config.epochs)
 

@@ -31,7 +31,7 @@ def progress_bar(batches, description: str, **options) -> tqdm:
 class EpochSteps:
     """An epoch's batches, as train_one_epoch takes them (`for step, (images, labels) in steps`), and their books.
 
-    `training` is a train_eval_utils.Training: its accumulation decides which micro-batches end an optimizer step
+    `training` is a train_eval_utils.Training: its accumulation decides which batches end an optimizer step
     (`last_of_group`, `group_size`); its `midway`, where a resumed run continues an epoch it stopped in (taken, and
     cleared, here). `check` adds a step's sums to the epoch's `totals` (sum of sample losses, images read, images
     skipped) over every rank, one step behind (StepTotals): a non-finite loss, or more than `max_skipped` images
@@ -69,11 +69,11 @@ class EpochSteps:
             torch.mps.manual_seed(seed)
 
     def last_of_group(self, step: int) -> bool:
-        """Whether micro-batch `step` is the last of its optimizer step (of the epoch's, the last one)."""
+        """Whether batch `step` is the last of its optimizer step (of the epoch's, the last one)."""
         return (step + 1) % self.training.accumulate == 0 or step + 1 == len(self.data_loader)
 
     def group_size(self, step: int) -> int:
-        """The micro-batches in the optimizer step that `step` belongs to: training.accumulate, or at the end of an
+        """The batches in the optimizer step that `step` belongs to: training.accumulate, or at the end of an
         epoch, those that are left."""
         accumulate, batches = self.training.accumulate, len(self.data_loader)
         return min(accumulate, batches - step // accumulate * accumulate)
@@ -98,7 +98,7 @@ class EpochSteps:
         self.stopping = check_step(step_totals.get(), self.totals, self.epoch, self.max_skipped) or self.stopping
 
     def stop_if_asked(self, step: int) -> None:
-        """After the optimizer step that ends micro-batch `step`: StopRequested on every rank if a stop signal
+        """After the optimizer step that ends batch `step`: StopRequested on every rank if a stop signal
         reached any."""
         if self.stopping is not None:
             self.progress.close()

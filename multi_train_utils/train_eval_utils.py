@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from multi_train_utils.bookkeeping import EpochSteps, Tally, progress_bar, readable
+from multi_train_utils.memory import out_of_memory
 from multi_train_utils.stop_and_resume import Midway
 from recipe.loss import Objective
 from recipe.precision import Compute
@@ -17,10 +18,11 @@ from recipe.precision import Compute
 @dataclass
 class Training:
     """What a training step uses and changes: the model as it is trained (wrapped in DDP, compiled, ...), its
-    optimizer and learning-rate schedule, how it computes (precision, memory layout, and the gradient scaler that
-    float16 needs), the loss (`objective`), the weights' moving average (`ema`, or None), the number of
-    micro-batches whose gradients each optimizer step sums (`accumulate`), and where a resumed run continues an
-    epoch it stopped in (`midway`, set by stop_and_resume.resume_from; None: at the epoch's start)."""
+    optimizer and learning-rate schedule, how it computes (precision, memory layout, micro-batch, and the gradient
+    scaler that float16 needs), the loss (`objective`), the weights' moving average (`ema`, or None), the number of
+    batches whose gradients each optimizer step sums (`accumulate`), the largest total norm of a step's gradients
+    (`clip_grad_norm`; 0: no limit), and where a resumed run continues an epoch it stopped in (`midway`, set by
+    stop_and_resume.resume_from; None: at the epoch's start)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -30,6 +32,7 @@ class Training:
     objective: Objective = Objective()
     ema: nn.Module | None = None
     accumulate: int = 1
+    clip_grad_norm: float = 0.0
     midway: Midway | None = None
 
     def epoch_lr(self) -> float:
@@ -47,13 +50,16 @@ class Training:
 def train_one_epoch(training: Training, data_loader, device, epoch: int, max_skipped=None) -> tuple[float, int]:
     """Train for one epoch; returns (mean loss over every sample of every rank, images trained on by all ranks).
 
-    Each optimizer step sums the gradients of `training.accumulate` micro-batches (the last step of an epoch those
-    that are left); in DDP only the last of them synchronises (`no_sync` for the others), so a step costs one
-    all-reduce of the gradients whatever the accumulation. After each optimizer step the scheduler steps and the
-    EMA takes in the new weights. The gradient scaler is needed for float16 only (its narrow range would underflow
-    small gradients); disabled or None, steps are plain.
+    Each optimizer step sums the gradients of `training.accumulate` batches (the last step of an epoch those that
+    are left), and a batch larger than `training.compute.micro_batch` is taken in micro-batches of that many
+    images (what fits the device's memory: multi_train_utils/memory.py): each piece's loss is its share of the
+    batch's mean, so the gradients add up to the whole batch's. In DDP only the last backward pass of a step
+    synchronises (`no_sync` for the others), so a step costs one all-reduce of the gradients whatever the
+    accumulation and the micro-batches; running out of memory ends in one line naming --micro-batch. After each
+    optimizer step the scheduler steps and the EMA takes in the new weights. The gradient scaler is needed for
+    float16 only (its narrow range would underflow small gradients); disabled or None, steps are plain.
 
-    The books (EpochSteps): each micro-batch's loss is summed over the ranks, weighted by its images, so the bar
+    The books (EpochSteps): each batch's loss is summed over the ranks, weighted by its images, so the bar
     shows the same running mean on any world size and every rank sees a non-finite loss together. Images that
     could not be read (labelled SKIPPED) are left out of the loss; the count of them, summed with the loss, stops
     every rank at the same step once it passes `max_skipped` (None: no limit). A stop signal
@@ -74,14 +80,22 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
         read = readable(labels)  # counted on the host, where the loader left the labels
         images, labels = compute.batch_to(images, device), labels.to(device, non_blocking=device.type == "cuda")
         images, mixing = objective.mix(images, epoch, step)
-        # DDP: a step's micro-batches before its last only add up their gradients here (no_sync); the last one's
-        # backward all-reduces the sum, so a step costs one all-reduce whatever --accumulate is
-        with synchronised(model, steps.last_of_group(step)):
-            with compute.autocast(device):
-                outputs = model(compute.batch_to(images, device))  # batch_to again: mixing may change the layout
-                loss_sum = objective.loss_sum(outputs, labels, mixing)
-                loss = loss_sum / read if read else outputs.sum() * 0.0  # nothing read: a step of nothing, together
-            steps.scaler.scale(loss / steps.group_size(step)).backward()
+        pieces = objective.pieces(images, labels, mixing, compute.micro_batch)  # --micro-batch: what fits
+        loss_sum = 0.0
+        for piece, (piece_images, piece_labels, piece_mixing) in enumerate(pieces, start=1):
+            # DDP: the backward passes before a step's last only add up their gradients here (no_sync); the last
+            # one's all-reduces the sum, so a step costs one all-reduce whatever --accumulate and --micro-batch are
+            with (
+                synchronised(model, steps.last_of_group(step) and piece == len(pieces)),
+                out_of_memory(training, piece_images),
+            ):
+                with compute.autocast(device):
+                    outputs = model(compute.batch_to(piece_images, device))  # again: mixing may change the layout
+                    piece_sum = objective.loss_sum(outputs, piece_labels, piece_mixing)
+                    # each piece's share of the batch's mean; nothing read: a step of nothing, on every rank alike
+                    loss = piece_sum / read if read else outputs.sum() * 0.0
+                steps.scaler.scale(loss / steps.group_size(step)).backward()
+            loss_sum = loss_sum + piece_sum.detach()
         steps.check(step, loss_sum, read, len(labels))  # the sums, one step behind: loss, unreadable, stop votes
         if steps.last_of_group(step):
             optimizer_step(training, steps.scaler)
@@ -90,7 +104,12 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
 
 
 def optimizer_step(training: Training, step_scaler: torch.amp.GradScaler) -> None:
-    """The step the summed gradients ask for, then the schedule's and the weights' average's."""
+    """The step the summed gradients ask for (clipped first to a total norm of `training.clip_grad_norm`, in their
+    true units: float16's scaling undone), then the schedule's and the weights' average's."""
+    if training.clip_grad_norm:
+        step_scaler.unscale_(training.optimizer)  # the scaled gradients' true values (a disabled scaler: as they are)
+        trained = [parameter for group in training.optimizer.param_groups for parameter in group["params"]]
+        nn.utils.clip_grad_norm_(trained, training.clip_grad_norm)  # on the device: the host waits for nothing
     step_scaler.step(training.optimizer)  # with float16, skips the step (and lowers the scale) if one overflowed
     step_scaler.update()
     training.optimizer.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dataset.demo import DEMO_DATA_PATH
 from dataset.transforms import AUTO_AUGMENT
-from model import DEFAULT_MODEL, IMAGENET, model_names
+from model import DEFAULT_MODEL, IMAGENET, TIMM, check_model_options, unknown_model
 from utils import HelpFormatter, Parser, UserError, number, positive_float, positive_int
 
 SINGLE, LAUNCH, SPAWN = "train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn"
@@ -38,6 +38,24 @@ def flag(default, help: str, *, group: str, recipe=False, scripts=SCRIPTS, switc
         argparse_options["action"] = argparse.BooleanOptionalAction
     metadata = {"group": group, "help": help, "recipe": recipe, "scripts": scripts, "argparse": argparse_options}
     return field(default=default, metadata=metadata)
+
+
+def auto_or(kind):
+    """A flag's type for `kind` values or the word auto, which leaves the value to be measured (None)."""
+
+    def value(text: str):
+        return None if text == "auto" else kind(text)
+
+    value.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in its refusals
+    return value
+
+
+def model_name(text: str) -> str:
+    """--model's type: a torchvision classification model's name, or timm/ and one of timm's (not listed in --help:
+    timm has over a thousand)."""
+    if reason := unknown_model(text):
+        raise argparse.ArgumentTypeError(reason)
+    return text
 
 
 def flags_in(group: str, *, recipe=False, scripts=SCRIPTS):
@@ -122,6 +140,29 @@ class Config:
         f"{WEIGHT_DECAY['adamw']:g} with AdamW)",
         type=number(float, 0),
     )
+    norm_weight_decay: float | None = optimisation_recipe(
+        None,
+        "weight decay of the norm layers' weights and of every bias, as torchvision's references choose them (for "
+        "a timm model, timm's choice: every 1-D tensor and the model's no_weight_decay(), such as a ViT's position "
+        "embedding); 0 is usual for fine-tuning (default: --weight-decay's)",
+        type=number(float, 0),
+        metavar="X",
+    )
+    layer_decay: float = optimisation_recipe(
+        1.0,
+        "layer-wise learning-rate decay: the head trains at the full rate, each layer before it at F times the "
+        "next one's (a ResNet's stem and stages, a ViT's blocks, the children of `features`, timm's own layers; "
+        "1: off)",
+        type=number(float, 0, 1, above_minimum=True),
+        metavar="F",
+    )
+    clip_grad_norm: float = optimisation_recipe(
+        0.0,
+        "scale each step's gradients down to a total norm (2-norm over every trained parameter) of at most MAX, "
+        "after float16's scaling is undone (0: off)",
+        type=number(float, 0),
+        metavar="MAX",
+    )
     warmup_epochs: int = optimisation_recipe(
         0,
         "epochs over which the learning rate rises linearly, step by step, before the cosine decay",
@@ -129,7 +170,7 @@ class Config:
     )
     accumulate: int = optimisation_recipe(
         1,
-        "micro-batches of --batch-size whose gradients are summed before each step (a step then sees "
+        "batches of --batch-size whose gradients are summed before each step (a step then sees "
         "batch-size x accumulate x world-size images, and the learning rate is scaled by that many batches)",
         type=positive_int,
     )
@@ -152,15 +193,17 @@ class Config:
     # model
     model: str = model_recipe(
         DEFAULT_MODEL,
-        "any torchvision classification model: resnet18, resnet50, mobilenet_v3_small, efficientnet_b0, "
-        "convnext_tiny, ...",
-        choices=model_names(),
+        "any torchvision classification model (resnet18, resnet50, mobilenet_v3_small, efficientnet_b0, "
+        f"convnext_tiny, ...) or {TIMM}NAME, any of timm's ({TIMM}convnext_nano, {TIMM}vit_small_patch16_224, "
+        f"{TIMM}resnet50.a1_in1k with a pretrained tag, ...)",
+        type=model_name,
         metavar="NAME",
     )
     weights: str | Path | None = model_flag(
         None,
-        f"initial weights: {IMAGENET} (torchvision's ImageNet-1K weights for --model, downloaded once into "
-        "torch's cache), a torchvision file for that model, or weights or a checkpoint saved by these scripts",
+        f"initial weights: {IMAGENET} (the pretrained weights of --model: torchvision's ImageNet-1K weights, "
+        "downloaded once into torch's cache; for a timm model timm's, those of its tag or timm's default, into "
+        "Hugging Face's), a file of them (.pth or .safetensors), or weights or a checkpoint saved by these scripts",
         type=lambda text: text if text == IMAGENET else Path(text),
     )
     freeze_layers: bool = model_recipe(False, "train only the classifier head", switch=True)
@@ -203,9 +246,25 @@ class Config:
         "folder: see docs/performance.md)",
         action="store_true",
     )
+    micro_batch: int | None = speed_flag(
+        None,
+        "images a forward and backward pass takes at most: a larger --batch-size is taken in micro-batches whose "
+        "gradients add up to the batch's (the step, rate and schedule unchanged; BatchNorm's statistics are the "
+        "micro-batch's). Default auto: on a GPU the largest that fits, measured and remembered; elsewhere the "
+        "whole batch",
+        type=auto_or(positive_int),
+        metavar="N",
+    )
     compile: bool = speed_flag(
         False,
         "torch.compile the model: faster steps after a compilation of a minute or more at the start",
+        action="store_true",
+    )
+    grad_checkpointing: bool = speed_flag(
+        False,
+        "keep only each block's input from the forward pass and recompute its activations in the backward pass "
+        "(torch's non-reentrant checkpoint): less memory for about one more forward pass a step, the same "
+        "gradients and BatchNorm statistics",
         action="store_true",
     )
     image_cache_gb: float | None = speed_flag(
@@ -378,6 +437,8 @@ def parse_config(script: str, description: str, argv=None) -> Config:
         config = replace(config, weight_decay=WEIGHT_DECAY[config.opt])
     if config.warmup_epochs >= config.epochs:
         parser.error(f"--warmup-epochs {config.warmup_epochs} leaves no epoch of --epochs {config.epochs} to decay")
+    if config.grad_checkpointing or config.layer_decay != 1:  # a model without them: one line, before anything starts
+        check_model_options(config.model, config.grad_checkpointing, config.layer_decay)
     return config
 
 

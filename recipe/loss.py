@@ -2,6 +2,7 @@
 torchvision's mixup and cutmix (v2.MixUp, v2.CutMix) drawn from a seed of the step's own."""
 
 import functools
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -65,6 +66,21 @@ class Objective:
         with torch.random.fork_rng(devices=[]):  # the draw leaves the training's own random stream alone
             torch.default_generator.manual_seed(sample_seed(self.seed, epoch, step))
             return self.mixer(images, torch.eye(len(images), device=images.device))
+
+    @staticmethod
+    def pieces(images: torch.Tensor, labels: torch.Tensor, mixing: torch.Tensor | None, size: int | None):
+        """The batch (as `mix` returned it) in micro-batches of at most `size` images (None: the whole batch), as
+        few as that allows and as even as they can be (10 images in pieces of at most 4: 4, 3, 3, not 4, 4, 2),
+        each as (images, labels, mixing) for the forward pass and `loss_sum`: its own labels, or when the batch is
+        mixed, its rows of the mixing matrix and every label of the batch (a mixed image's target draws on them
+        all), so that the pieces' loss sums add up to the whole batch's."""
+        count = 1 if size is None else math.ceil(len(images) / size)
+        if count <= 1:
+            return [(images, labels, mixing)]
+        if mixing is None:
+            return list(zip(images.tensor_split(count), labels.tensor_split(count), [None] * count, strict=True))
+        parts = zip(images.tensor_split(count), mixing.tensor_split(count), strict=True)
+        return [(part, labels, rows) for part, rows in parts]
 
     def targets(self, labels: torch.Tensor, num_classes: int, mixing=None, dtype=torch.float32) -> torch.Tensor:
         """Smoothed one-hot targets (batch x classes), mixed by `mixing`; rows of skipped images are zero.

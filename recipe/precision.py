@@ -10,16 +10,20 @@ from dataset.transforms import normalise
 
 @dataclass(frozen=True)
 class Compute:
-    """How the model computes: the autocast precision (None: float32 throughout) and the memory layout.
+    """How the model computes: the autocast precision (None: float32 throughout), the memory layout, and how many
+    images a forward and backward pass takes at most (`micro_batch`; None: a step's whole batch at once).
 
     Under autocast, convolutions and matrix products run in `amp_dtype` (bfloat16 or float16) while weights,
     gradients and the optimizer stay float32. channels_last stores images as NHWC, the layout the CPU's oneDNN
     and the GPU's tensor cores convolve fastest in; the model's weights must be converted too
-    (model.initial_model does).
+    (model.initial_model does). A batch larger than `micro_batch` is taken in micro-batches of that many images,
+    their gradients summed (train_eval_utils.train_one_epoch): the step the same, its memory that of the
+    micro-batch (run/autotune.py finds the largest that fits a GPU).
     """
 
     amp_dtype: torch.dtype | None = None
     channels_last: bool = False
+    micro_batch: int | None = None
 
     @property
     def memory_format(self) -> torch.memory_format:

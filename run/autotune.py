@@ -35,15 +35,17 @@ import datetime
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from filelock import FileLock, Timeout
 
 from machine import AVX2_CAPS, available_cores, cores_per_process, cpu_bfloat16, cpu_name, torch_cpu_isa, use_cores
-from model import create_model, freeze_all_but_head
+from model import create_model, enable_grad_checkpointing, freeze_all_but_head
 from multi_train_utils.distributed_utils import broadcast_object, get_world_size, is_main_process, print_once
+from multi_train_utils.memory import OutOfMemory, largest_that_fits, memory_limited, pass_fits
+from recipe.loss import Objective
 from recipe.precision import AMP_DTYPES, Compute, amp_flag, choose_compute, short_name, summary
 from utils import NUMBER, OutputError, UserError, misfits, read_json, warn, write_json
 
@@ -60,9 +62,9 @@ GPU_LOADER_MARGIN = 1.5  # workers enough to load this much faster than the GPU 
 
 @dataclass(frozen=True)
 class Choice:
-    """How a run trains where flags left it to auto, and what that was decided from: `measured` is each timed
-    candidate's training images per second, `load_ms` one core's milliseconds to load an image, `seconds` what
-    the measuring took, `lines` what the run printed about it."""
+    """How a run trains where flags left it to auto (`micro_batch`: None for the whole batch), and what that was
+    decided from: `measured` is each timed candidate's training images per second, `load_ms` one core's
+    milliseconds to load an image, `seconds` what the measuring took, `lines` what the run printed about it."""
 
     amp: str
     channels_last: bool
@@ -72,15 +74,17 @@ class Choice:
     seconds: float = 0.0
     date: str = ""
     lines: tuple = ()
+    micro_batch: int | None = None
 
     @property
     def compute(self) -> Compute:
-        return Compute(AMP_DTYPES[self.amp], self.channels_last)
+        return Compute(AMP_DTYPES[self.amp], self.channels_last, self.micro_batch)
 
 
 # A remembered choice in the cache file, as remember() writes it (utils.misfits' shapes)
-CHOICE_SHAPE = {"amp": str, "channels_last": bool, "workers": int, "measured": dict, "load_ms": (NUMBER, type(None)),
-                "seconds": NUMBER, "date": str, "lines": list}  # fmt: skip
+CHOICE_SHAPE = {"amp": str, "channels_last": bool, "workers": int, "micro_batch": (int, type(None)),
+                "measured": dict, "load_ms": (NUMBER, type(None)), "seconds": NUMBER, "date": str,
+                "lines": list}  # fmt: skip
 ENTRY_SHAPE = {"key": dict, "choice": CHOICE_SHAPE}
 
 
@@ -88,11 +92,12 @@ def tune(config, plan, device: torch.device, processes_here: int, train_set) -> 
     """This process's loader workers and how it computes: what the flags give, the rest measured on this machine
     (or remembered from an earlier run), the same on every rank; loading is timed on `train_set`. Sets this
     process's compute threads on the CPU (its share of the cores, less its loader workers) and prints the choice."""
-    if config.amp != "auto" and config.channels_last is not None and config.workers is not None:
+    given = config.amp != "auto" and config.channels_last is not None and config.workers is not None
+    if given and (config.micro_batch is not None or not memory_limited(device)):
         workers = use_cores(device, processes_here, config.batch_size, config.workers)
         compute, line = choose_compute(config.amp, config.channels_last, device)
         print_once(line)
-        return workers, compute
+        return workers, replace(compute, micro_batch=given_micro_batch(config))
     threads = share_cores(device, processes_here, config)
     choice = cached_or_measured(config, plan, device, processes_here, train_set) if is_main_process() else None
     choice = broadcast_object(choice)  # DDP: every rank trains as rank 0 chose; the others waited here
@@ -102,7 +107,15 @@ def tune(config, plan, device: torch.device, processes_here: int, train_set) -> 
     for line in choice.lines:
         print_once(line)
     print_once(summary(choice.compute, *reasons(config, device)))
-    return workers, choice.compute
+    compute = (
+        choice.compute if config.micro_batch is None else replace(choice.compute, micro_batch=given_micro_batch(config))
+    )
+    return workers, compute
+
+
+def given_micro_batch(config) -> int | None:
+    """--micro-batch as given (None: the whole batch, where it is not smaller)."""
+    return config.micro_batch if config.micro_batch is not None and config.micro_batch < config.batch_size else None
 
 
 def share_cores(device: torch.device, processes_here: int, config) -> int:
@@ -148,12 +161,22 @@ def measure(config, plan, device: torch.device, processes_here: int, train_set) 
     candidates = compute_candidates(config.amp, config.channels_last, device)
     share = torch.get_num_threads() if device.type == "cpu" else cores_per_process(processes_here)
     workers_to_choose = config.workers is None and (device.type != "cpu" or share > 1)
-    if len(candidates) == 1 and not workers_to_choose:
-        return Choice(amp_flag(candidates[0]), candidates[0].channels_last, config.workers or 0)
-    seconds = time_candidates(candidates, config, plan, device)
+    to_fit = config.micro_batch is None and memory_limited(device)
+    if len(candidates) == 1 and not workers_to_choose and not to_fit:
+        only = candidates[0]
+        return Choice(amp_flag(only), only.channels_last, config.workers or 0, micro_batch=given_micro_batch(config))
+    micro_batch, lines = fitting_micro_batch(config, plan, device, candidates[0]) if to_fit else (None, [])
+    candidates = [replace(candidate, micro_batch=micro_batch or given_micro_batch(config)) for candidate in candidates]
+    try:
+        seconds = time_candidates(candidates, config, plan, device)
+    except torch.OutOfMemoryError:  # a --micro-batch given by hand (auto's was found to fit)
+        raise OutOfMemory(
+            f"--micro-batch {config.micro_batch} does not fit in the memory of {config.model} at {config.img_size} "
+            f"px on {device}: give a smaller one, or leave it to auto"
+        ) from None
     speeds = {candidate: 1 / seconds[candidate] for candidate in candidates}
     fastest = max(speeds, key=speeds.get)
-    lines = [measured_line(speeds, config, device)]
+    lines.append(measured_line(speeds, config, device))
     workers, load_ms = config.workers or 0, None
     if workers_to_choose:
         load = time_loading(train_set)
@@ -165,8 +188,47 @@ def measure(config, plan, device: torch.device, processes_here: int, train_set) 
     lines.append(f"Auto: {chose}; measuring took {elapsed:.1f} s")
     return Choice(
         amp_flag(fastest), fastest.channels_last, workers, {short_name(c): round(s, 2) for c, s in speeds.items()},
-        load_ms, elapsed, datetime.date.today().isoformat(), tuple(lines),
+        load_ms, elapsed, datetime.date.today().isoformat(), tuple(lines), fastest.micro_batch,
     )  # fmt: skip
+
+
+def fitting_micro_batch(config, plan, device: torch.device, hungriest: Compute) -> tuple[int | None, list[str]]:
+    """The largest micro-batch of the run's model that fits `device` (None: the whole --batch-size), and the line
+    saying so: forward and backward passes of the run's model on synthetic batches, in `hungriest`'s precision
+    (float32, the candidate whose activations take most memory: autocast keeps many of them in 16 bits), alongside
+    what training holds besides (the optimizer's moments, one copy of the weights for SGD's momentum and two for
+    AdamW's, and one more for DDP's gradient buckets). UserError where not even one image fits."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model = measured_model(config, len(plan.split.classes), device).to(memory_format=hungriest.memory_format)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        copies = (2 if config.opt == "adamw" else 1) + (get_world_size() > 1)
+        reserve = copies * sum(p.numel() * p.element_size() for p in trained)
+        images = torch.randn(config.batch_size, 3, config.img_size, config.img_size, device=device)
+        images = images.contiguous(memory_format=hungriest.memory_format)
+        size = largest_that_fits(lambda m: pass_fits(model, hungriest, images[:m], reserve, train=True), len(images))
+    where = f"{config.model} at {config.img_size} px on {device}"
+    if size == 0:
+        raise UserError(
+            f"not even one image fits in the memory of {where}: a smaller --img-size, --grad-checkpointing, "
+            "or a device with more memory"
+        )
+    if size == config.batch_size:
+        return None, [f"Auto: the whole batch of {size} images fits in the memory of {where}"]
+    return size, [
+        f"Auto: micro-batches of {size} images, the most that fit in the memory of {where}: each step sums "
+        f"the gradients of {math.ceil(config.batch_size / size)} of them (--batch-size {config.batch_size} unchanged)"
+    ]
+
+
+def measured_model(config, num_classes: int, device: torch.device):
+    """A model such as the run trains (not its weights), for measuring: the run's random state is the caller's to
+    keep (the initial weights and dropout draw from the global generators)."""
+    model = create_model(num_classes, config.model)
+    if config.freeze_layers:
+        freeze_all_but_head(model, config.model)
+    if config.grad_checkpointing:  # its memory and its time: each block computed twice
+        enable_grad_checkpointing(model, config.model)
+    return model.to(device).train()
 
 
 def measured_line(speeds: dict, config, device: torch.device) -> str:
@@ -187,10 +249,8 @@ def time_candidates(candidates: list[Compute], config, plan, device: torch.devic
     images = config.epochs * len(plan.split.train_images) / get_world_size()
     # The model's initial weights (and dropout, in models that have it) draw from the global generators
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        model = create_model(num_classes, config.model)
-        if config.freeze_layers:
-            freeze_all_but_head(model, config.model)
-        steps = stepper(model.to(device).train(), candidates, config.batch_size, config.img_size, num_classes, device)
+        model = measured_model(config, num_classes, device)
+        steps = stepper(model, candidates, config.batch_size, config.img_size, num_classes, device)
         best = take_turns(steps, candidates, 1 if device.type == "cpu" else 2, images / config.batch_size)
     del model, steps
     if device.type == "cuda":  # the run's own memory figures should not include the measuring
@@ -243,10 +303,14 @@ def stepper(model, candidates: list[Compute], batch_size: int, img_size: int, nu
 
 def training_step(model, optimizer, scaler, compute: Compute, images, labels) -> torch.Tensor:
     """One training step as train_one_epoch takes it: forward under autocast, cross-entropy, the scaled backward
-    pass, the optimizer's step. Returns the loss (reading it makes the CPU wait for the device)."""
-    with compute.autocast(images.device):
-        loss = torch.nn.functional.cross_entropy(model(images), labels)
-    scaler.scale(loss).backward()
+    pass (one per micro-batch), the optimizer's step. Returns the loss (reading it makes the CPU wait for the
+    device)."""
+    loss = torch.zeros((), device=images.device)
+    for piece, piece_labels, _ in Objective.pieces(images, labels, None, compute.micro_batch):
+        with compute.autocast(images.device):
+            piece_loss = torch.nn.functional.cross_entropy(model(piece), piece_labels, reduction="sum") / len(images)
+        scaler.scale(piece_loss).backward()
+        loss += piece_loss.detach()
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -348,8 +412,9 @@ def cache_key(config, plan, device: torch.device, processes_here: int) -> dict:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__,
     }
-    run = {name: getattr(config, name) for name in ("model", "img_size", "batch_size", "freeze_layers")}
-    run |= {name: getattr(config, name) for name in ("amp", "channels_last", "workers", "auto_augment")}
+    run = {name: getattr(config, name) for name in ("model", "img_size", "batch_size", "freeze_layers", "opt")}
+    run["grad_checkpointing"] = config.grad_checkpointing
+    run |= {name: getattr(config, name) for name in ("amp", "channels_last", "workers", "micro_batch", "auto_augment")}
     run |= {"device": device.type, "processes_here": processes_here, "data": str(Path(plan.data_path).resolve())}
     return machine | run
 
@@ -367,7 +432,9 @@ def remembered(path: Path, key: dict) -> Choice | None:
         return None
     choice = Choice(**{name: found.get(name) for name in CHOICE_SHAPE})  # (fields a later version adds: not read)
     line = (
-        f"Auto: {short_name(choice.compute)}, {choice.workers} loader workers, as measured on {choice.date} for "
+        f"Auto: {short_name(choice.compute)}, {choice.workers} loader workers"
+        + (f", micro-batches of {choice.micro_batch}" if choice.micro_batch else "")
+        + f", as measured on {choice.date} for "
         f"this machine and configuration ({path}; --remeasure measures again)"
     )
     return Choice(**{**asdict(choice), "lines": (line,)})

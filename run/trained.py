@@ -146,7 +146,7 @@ def add_run_overrides(parser: argparse.ArgumentParser) -> None:
     """The flags that override what a run's files say: its network, its class names and its image size."""
     parser.add_argument(
         "--model",
-        help="the torchvision network the weights are for (default: the run's, else resnet34)",
+        help="the network the weights are for, torchvision's name or timm/NAME (default: the run's, else resnet34)",
     )
     parser.add_argument(
         "--class-indices",

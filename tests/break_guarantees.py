@@ -23,7 +23,7 @@ OG = "tests/test_one_gate.py::"
 RESUME_MATRIX = (
     "tests/test_resume_matrix.py::test_every_interrupted_run_resumes_to_the_uninterrupted_runs_weights_and_metrics"
 )
-FR = "tests/test_files_read_back.py::"
+FR, MB, FT = "tests/test_files_read_back.py::", "tests/test_micro_batch.py::", "tests/test_fine_tuning.py::"
 NO_WAIT_STEP = HS + "test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing"
 STEP_TEST = EQ + "test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch"
 SHARD_TEST = EQ + "test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch"
@@ -155,6 +155,22 @@ BREAKS = [
     ("13f a resume writes into another run", "run/plan.py", "    if found:\n", "    if False:\n",
      "tests/test_run_folder.py::"
      "test_a_resume_into_another_runs_folder_is_refused_and_one_into_a_new_folder_leaves_its_own_run_alone"),
+    ("14a a micro-batch's loss its own mean", "multi_train_utils/train_eval_utils.py",
+     "loss = piece_sum / read if read", "loss = piece_sum / len(piece_labels) if read",
+     MB + "test_micro_batches_take_the_step_of_the_whole_batch"),
+    ("14b auto takes a micro-batch too large", "multi_train_utils/memory.py", "    return low\n",
+     "    return high\n", MB + "test_auto_settles_on_the_largest_micro_batch_that_fits_and_remembers_it"),
+    ("14c BatchNorm updated again when recomputed", "model.py",
+     "    model.register_forward_hook(running_statistics_off)\n", "",
+     MB + "test_gradient_checkpointing_takes_the_same_steps_under_ddp_with_accumulation"),
+    ("14d clipped before unscaling", "multi_train_utils/train_eval_utils.py",
+     "        step_scaler.unscale_(training.optimizer)", "        pass",
+     FT + "test_under_a_gradient_scaler_the_clipped_norm_is_max_in_the_gradients_true_units"),
+    ("14e weight decay on norms", "model.py", "        if isinstance(layer, NORMS):", "        if False:",
+     FT + "test_norm_weights_and_biases_take_norm_weight_decay_and_the_other_weights_weight_decay"),
+    ("14f layer decay one layer off", "model.py", "layer_decay ** (len(prefixes) - depth)",
+     "layer_decay ** (len(prefixes) - depth - 1)",
+     FT + "test_layer_decay_gives_the_head_the_full_rate_and_each_stage_before_it_f_times_the_next"),
 ]  # fmt: skip
 
 

@@ -34,9 +34,10 @@ def plan(tmp_path):
 
 @pytest.fixture
 def machine(monkeypatch, tmp_path):
-    """A CPU with bfloat16 instructions (so all four candidates are timed), this test's own cache file, and a
-    timing function that substitutes the seconds per image machine.seconds gives (FP32 fastest unless a test
-    says otherwise) and counts its calls. The compute threads are restored afterwards."""
+    """A CPU with bfloat16 instructions (so all four candidates are timed), this test's own cache file, a
+    GPU's memory that takes the whole batch, and a timing function that substitutes the seconds per image
+    machine.seconds gives (FP32 fastest unless a test says otherwise) and counts its calls. The compute threads
+    are restored afterwards."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache" / "autotune.json"))
     with_bfloat16(monkeypatch.setattr)
     for cap in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
@@ -48,6 +49,9 @@ def machine(monkeypatch, tmp_path):
         return {candidate: state.seconds[candidate] for candidate in candidates}
 
     monkeypatch.setattr(autotune, "time_candidates", time_candidates)
+    # A GPU here is a name (the step is never run): the whole batch fits its memory (tests/test_micro_batch.py
+    # checks the search itself, on the CPU with the out-of-memory condition substituted)
+    monkeypatch.setattr(autotune, "fitting_micro_batch", lambda config, plan, device, hungriest: (None, []))
     threads = torch.get_num_threads()
     yield state
     torch.set_num_threads(threads)

@@ -37,7 +37,8 @@ pytestmark = [
 CLASSES = 3
 EVERY_SWITCH = {
     "model_ema": True, "class_weights": "balanced", "accumulate": 2, "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
-    "label_smoothing": 0.1, "sync_bn": True, "channels_last": True,
+    "label_smoothing": 0.1, "sync_bn": True, "channels_last": True, "micro_batch": 3,
+    "clip_grad_norm": 1.0, "layer_decay": 0.8, "norm_weight_decay": 0.0,
 }  # fmt: skip
 
 
@@ -84,7 +85,7 @@ def built(device: torch.device, amp: str, switches: dict):
     switches = dict(switches)
     sync_bn, channels_last = switches.pop("sync_bn", False), switches.pop("channels_last", False)
     config = Config(model="resnet18", img_size=32, batch_size=4, epochs=4, weight_decay=1e-4, **switches)
-    compute = Compute(AMP_DTYPES[amp], channels_last)
+    compute = Compute(AMP_DTYPES[amp], channels_last, config.micro_batch)  # 3 of 4: micro-batches of 3 and 1
     trained, model = model_as_trained(CLASSES, compute, model=config.model, device=device)
     if sync_bn:
         trained = model = convert_sync_batchnorm(model)

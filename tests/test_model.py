@@ -1,6 +1,7 @@
 """Loading weights: ImageNet-style files, our own saved weights, wrapper prefixes, and files that must be refused;
-`--weights imagenet` (torchvision's cached file, its download, and failing clearly offline). No test uses the
-network: the ImageNet file is made locally, and downloads go to a web server on 127.0.0.1 or find no network."""
+`--weights imagenet` (torchvision's cached file, its download, and failing clearly offline); timm's models, their
+weights files (.pth, .safetensors) and their pretrained weights in Hugging Face's cache. No test uses the network:
+the ImageNet file is made locally, and downloads go to a web server on 127.0.0.1 or find no network."""
 
 import hashlib
 import pickle
@@ -14,8 +15,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import timm
 import torch
 from PIL import Image
+from safetensors.torch import save_file
 from torchvision.models import ResNet34_Weights, resnet18, resnet34, resnet50
 
 from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD, normalise, val_transform
@@ -275,3 +278,72 @@ def test_the_dataset_prepares_images_as_the_imagenet_weights_expect():
     one_level = 1 / 255 / min(IMAGENET_STD)  # resizing PIL images or uint8 tensors may round a pixel differently
     ours = normalise(val_transform(224)(image))  # the loader's 8-bit crop, normalised as Compute.batch_to does
     torch.testing.assert_close(ours, official(image), rtol=0, atol=one_level * 1.01)
+
+
+# --- timm's models: their own weights files, `--weights imagenet` from Hugging Face's cache --------------------------
+
+TIMM_MODEL = "timm/test_resnet"  # timm's tiny ResNet made for tests; its default pretrained tag is r160_in1k
+TIMM_REPO = "timm/test_resnet.r160_in1k"  # where Hugging Face keeps those weights
+
+
+def timm_imagenet_like() -> dict:
+    """A state dict in the layout of timm's pretrained weights for TIMM_MODEL (a 1000-class head), every tensor
+    random."""
+    torch.manual_seed(4)
+    state = timm.create_model("test_resnet", num_classes=1000).state_dict()
+    return {key: torch.randn_like(t) if t.is_floating_point() else t + 123 for key, t in state.items()}
+
+
+@pytest.mark.parametrize("form", ["state dict .pth", ".safetensors", "checkpoint of timm's training script"])
+def test_a_timm_weights_file_loads_all_but_the_head(tmp_path, form):
+    official = timm_imagenet_like()
+    path = tmp_path / ("weights.safetensors" if form == ".safetensors" else "weights.pth")
+    if form == ".safetensors":
+        save_file(official, path)
+    else:
+        torch.save({"state_dict": official, "epoch": 3} if "checkpoint" in form else official, path)
+    model = create_model(5, TIMM_MODEL)
+    report = load_weights(model, path, name=TIMM_MODEL)
+    assert sorted(report.skipped_shape) == ["fc.bias", "fc.weight"] and not report.missing and not report.unexpected
+    assert all(torch.equal(model.state_dict()[key], official[key]) for key in report.loaded)
+    assert model.fc.weight.shape == (5, model.fc.in_features)
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache of the test's own; returns it."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf"))
+    return tmp_path / "hf"
+
+
+def test_cached_timm_weights_are_found_offline_and_load_all_but_the_head(hf_cache, no_network):
+    # the cache as huggingface_hub lays it out: a snapshot of the repository, and the commit its main branch names
+    repo = hf_cache / f"models--{TIMM_REPO.replace('/', '--')}"
+    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    save_file(timm_imagenet_like(), repo / "snapshots" / "0123abcd" / "model.safetensors")
+
+    path = weights_file(IMAGENET, TIMM_MODEL)
+    report = load_weights(create_model(5, TIMM_MODEL), path, name=TIMM_MODEL)
+
+    assert path == repo / "snapshots" / "0123abcd" / "model.safetensors" and no_network == []
+    assert sorted(report.skipped_shape) == ["fc.bias", "fc.weight"] and not report.missing
+
+
+def test_offline_timm_weights_fail_at_once_with_the_url_to_fetch(hf_cache, no_network):
+    started = time.monotonic()
+    with pytest.raises(UserError) as caught:
+        weights_file(IMAGENET, TIMM_MODEL)
+    message = str(caught.value)
+    assert message.startswith(f"cannot download timm's pretrained weights for {TIMM_MODEL} (no network?")
+    assert f"fetch https://huggingface.co/{TIMM_REPO}/resolve/main/model.safetensors and give it as --weights FILE" in (
+        message
+    )
+    assert "\n" not in message and time.monotonic() - started < 5  # one try, not huggingface_hub's 5 retries
+    assert set(no_network) == {"huggingface.co"} and not any(hf_cache.rglob("*.safetensors"))
+
+
+def test_a_timm_model_without_pretrained_weights_says_so(no_network):
+    with pytest.raises(UserError, match="timm has no pretrained weights for --model timm/test_mambaout"):
+        weights_file(IMAGENET, "timm/test_mambaout")

@@ -261,7 +261,7 @@ def test_accumulate_scales_the_learning_rate_not_the_images_an_epoch_trains_on(r
     out, result = retention_run
     assert json.loads((out / "args.json").read_text())["accumulate"] == 2
     printed = [line for line in result.stdout.splitlines() if line.startswith("Learning rate")]
-    assert printed == ["Learning rate 0.002 (--lr 0.001 x 1 process(es) x 2 micro-batch(es)) for a global batch of 16"]
+    assert printed == ["Learning rate 0.002 (--lr 0.001 x 1 process(es) x 2 batch(es)) for a global batch of 16"]
     lines = metrics(out)
     assert lines[0]["lr"] == pytest.approx(0.002)  # the full rate at the first step (no warmup)
     per_epoch = len(tiny_split(tiny_data).train_images) // 8 * 8  # the loader's batches x --batch-size

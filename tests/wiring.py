@@ -57,6 +57,7 @@ def model_as_trained(
         model = initial_model(
             config.model, len(plan.split.classes), device, compute.memory_format,
             seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
+            grad_checkpointing=config.grad_checkpointing,
         )  # fmt: skip
         if config.sync_bn and not config.freeze_layers:
             model = convert_sync_batchnorm(model)
@@ -68,6 +69,7 @@ def model_as_trained(
         model = initial_model(
             config.model, len(plan.split.classes), device, compute.memory_format,
             seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
+            grad_checkpointing=config.grad_checkpointing,
         )  # fmt: skip
         trained = data_parallel_over_gpus(model, device) if config.data_parallel else model
         trained = torch.compile(trained) if config.compile else trained
@@ -84,7 +86,7 @@ def training_as_built(config: Config, plan, trained, model, train_loader, device
     training = Training(
         trained, optimizer, scheduler, compute, compute.grad_scaler(device),
         objective=build_objective(config, plan.split, device), accumulate=config.accumulate,
-        ema=model_ema(model, config.ema_decay) if config.model_ema else None,
+        clip_grad_norm=config.clip_grad_norm, ema=model_ema(model, config.ema_decay) if config.model_ema else None,
     )  # fmt: skip
     # end of train_single_gpu.py
     return training
