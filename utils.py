@@ -285,9 +285,11 @@ def write_json(path, data) -> None:
     write_atomically(path, lambda f: f.write(json.dumps(data, indent=2) + "\n"))
 
 
-# What makes a folder a run's: the files a training run writes (run/run_log.py, multi_train_utils/checkpoint.py),
-# as patterns of their paths in its folder, its caches and lock aside. No other command may replace them.
-RUN_FILES = ("args.json", "class_indices.json", "metrics.jsonl", "checkpoint.pth", "weights/*.pth", "tb/*")
+# What makes a folder a run's: the files a training run writes (run/run_log.py, multi_train_utils/checkpoint.py,
+# run/tracking.py), as patterns of their paths in its folder, its caches and lock aside. No other command may
+# replace them.
+RUN_FILES = ("args.json", "class_indices.json", "metrics.jsonl", "checkpoint.pth", "weights/*.pth", "tb/*",
+             "tracked_run.json")  # fmt: skip
 
 
 def run_files_in(folder: Path) -> list[str]:

@@ -113,8 +113,8 @@ def saving_a_step_on_stop(log, model, training):
     """Inside, a stop signal (SIGTERM, SIGUSR1) ends the run at a training step every rank agrees on: rank 0 saves
     that step as the checkpoint, while the others wait for it, and every process exits with status 128 + the
     signal. --auto-resume (or --resume) continues from that step. `log` (a run_log.RunLog) gives the checkpoint's
-    state and where it goes."""
-    with stop_signals_noted():
+    state and where it goes, and marks the tracked run stopped, or failed on any other exception (RunLog.ending)."""
+    with stop_signals_noted(), log.ending():
         try:
             yield
         except StopRequested as stop:

@@ -302,6 +302,15 @@ class Config:
     output_dir: Path | None = run_flag(
         None, "where weights, logs and metrics go (default: runs/<script>-<timestamp>)", type=Path
     )
+    tracking_uri: str | None = run_flag(
+        None,
+        "log the run to MLflow at URI: a SQLite file (sqlite:///runs/mlflow.db), a folder or a tracking server "
+        "(http://HOST:5000); default: MLflow's MLFLOW_TRACKING_URI when set, else no tracking (docs/tracking.md)",
+        metavar="URI",
+    )
+    track_weights: bool = run_flag(
+        False, "with tracking, also upload weights/best.pth to the tracked run when the run ends", action="store_true"
+    )
 
     # distributed
     sync_bn: bool = ddp_recipe(True, "synchronise BatchNorm statistics across processes", switch=True)

@@ -33,6 +33,7 @@ class Plan:
     weights: Path | None = None
     resume: Path | None = None
     given: dict = field(default_factory=dict)  # the run's --batch-size and --lr, for `recipe_world_size` processes
+    tracked_run: dict | None = None  # the resumed checkpoint's "tracked_run" (run/tracking.py), if it has one
 
 
 def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
@@ -73,7 +74,8 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
         read_metrics(output_dir / METRICS_NAME)  # a damaged record of the epochs refuses the resume before any write
     if first_rank():
         check.save(output_dir)  # the images' verdicts, for the next start of this run (a restart, a resume)
-    return config, Plan(Path(data_path), split, output_dir, weights, resume, given)
+    tracked_run = saved.get("tracked_run") if saved else None
+    return config, Plan(Path(data_path), split, output_dir, weights, resume, given, tracked_run)
 
 
 def check_split(config: Config, split: DataSplit, data_path: Path, world_size: int) -> None:
@@ -158,7 +160,7 @@ def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> No
 
 def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_size: int):
     """(the checkpoint to resume from, checked against the data, its split and the flags, or None; the output
-    folder; the checkpoint's record of its run ("args", with its "world_size"), or None)."""
+    folder; the checkpoint's record of its run ("args", with its "world_size" and its "tracked_run"), or None)."""
     resume, output_dir = config.resume, config.output_dir
     if config.auto_resume:
         if output_dir is None:
@@ -172,7 +174,7 @@ def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_s
         saved = run_record(resume, state)
         check_same_recipe(resume, saved, config)
         check_same_split(resume, saved.get("split"), split_fingerprint(split, data_path))
-        return resume, output_dir or resume.parent, saved
+        return resume, output_dir or resume.parent, saved | {"tracked_run": state.get("tracked_run")}
     return None, output_dir or Path("runs") / f"{config.script}-{time.strftime('%Y%m%d-%H%M%S')}", None
 
 

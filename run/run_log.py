@@ -1,6 +1,7 @@
 """What a run prints and writes: its first lines (announce), and, from the start, args.json and class_indices.json,
 then each epoch's printed line, metrics.jsonl line (run/metrics.py), TensorBoard figures (run/tensorboard.py),
-weights and checkpoint (RunLog). In DDP rank 0 alone writes; every other rank's RunLog does nothing."""
+weights and checkpoint (RunLog), and, when a tracker is named, the tracked run (run/tracking.py). In DDP rank 0
+alone writes; every other rank's RunLog does nothing."""
 
 from pathlib import Path
 
@@ -12,8 +13,9 @@ from multi_train_utils.distributed_utils import print_once
 from recipe.loss import describe_class_weights
 from recipe.optimizer import describe_learning_rate
 from recipe.precision import Compute, amp_flag
-from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before, skipped_note
+from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before, read_metrics, skipped_note
 from run.tensorboard import Board
+from run.tracking import Tracking
 from utils import OutputError, describe, write_failure, write_json
 
 
@@ -57,6 +59,7 @@ class RunLog:
             split=split_fingerprint(plan.split, plan.data_path),  # a resume checks it has the same images
             **plan.given,  # the run's --batch-size and --lr as given, and for how many processes
         )  # fmt: skip
+        self.tracking = Tracking(config, plan, self.record, process.device, enabled)
         if not enabled:
             return
         write_class_indices(self.classes, self.output_dir)
@@ -65,10 +68,12 @@ class RunLog:
         print(f'Output: {self.output_dir}  (TensorBoard: tensorboard --logdir "{self.output_dir / "tb"}")', flush=True)
         write_json(self.output_dir / "args.json", self.record)
         self.board = Board(self.output_dir / "tb", self.record, preview_set, start_epoch)
+        self.tracking.start(read_metrics(self.output_dir / METRICS_NAME), start_epoch)
 
     def training_state(self, epoch: int, model, training) -> dict:
         """The checkpoint of this run after `epoch`: `model` (without its wrappers) and what `training` steps."""
-        return training_state(epoch, model, training, self.best_acc, self.classes, self.world_size, self.record)
+        state = training_state(epoch, model, training, self.best_acc, self.classes, self.world_size, self.record)
+        return state | self.tracking.checkpoint_entry()
 
     def epoch(self, metrics: dict, model, training, best, best_acc: float) -> None:
         """Everything an epoch leaves: its printed line, its log lines, its weights (and `best`'s, the model or
@@ -80,14 +85,21 @@ class RunLog:
             best_weights = best.state_dict() if best is not None else None
             state = self.training_state(epoch, model, training)
             save_epoch(self.output_dir, epoch, model.state_dict(), best_weights, state, keep=keep)
+            self.tracking.epoch(metrics)  # only once it is saved: an epoch trained again was never logged
         except OutputError as error:
             last = self.checkpoint  # each finished epoch wrote one: the epoch before this one's
             kept = f"{last} (epoch {epoch - 1}) is untouched" if last.exists() else "no checkpoint yet"
             raise OutputError(f"{error}; stopped, {kept}: make room, then continue with --resume {last}") from None
 
+    def ending(self):
+        """Around the epochs: marks the tracked run KILLED when a stop signal (or Ctrl-C) ends them, FAILED when an
+        exception does."""
+        return self.tracking.marks_how_the_run_ends()
+
     def done(self, best_acc: float) -> None:
         if self.enabled:
             self.board.close()
+            self.tracking.end("FINISHED")
             print(f"Done: best val acc {best_acc:.3f}; weights in {self.output_dir / 'weights'}", flush=True)
 
     def log_epoch(self, metrics: dict, best_acc: float, model) -> None:

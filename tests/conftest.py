@@ -310,6 +310,7 @@ LONGEST_FIRST = (
     "test_benchmark.py",  # 55 s
     "test_filesystem.py",  # 40 s
     "test_run_folder.py",  # 40 s, with stopped_run
+    "test_tracking.py",  # 40 s, with reference_run: torchrun, then two resumes in its worker's process
 )
 
 

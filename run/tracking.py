@@ -1,0 +1,306 @@
+"""Experiment tracking with MLflow (docs/tracking.md): rank 0 logs a run to one tracked run, the same through every
+stop, restart and resume; off unless --tracking-uri or MLflow's own MLFLOW_TRACKING_URI names a tracker.
+
+What it logs: the recipe as parameters; the speed and place flags (with what auto chose), the machine, torch's
+version and the project's commit as tags; each epoch's numbers from metrics.jsonl with the epoch as the step;
+args.json and the training curves as artifacts, and weights/best.pth with --track-weights.
+
+The tracked run's id is kept in the run's folder (tracked_run.json, written as soon as the run is opened) and in
+every checkpoint ("tracked_run"), so a resume, a restart before the first checkpoint and a resume into another
+folder continue it. An epoch is logged only once its checkpoint is saved: an epoch trained again (after a stop
+in its middle, or a crash before its checkpoint) was never logged, so no epoch is logged twice. A start logs the
+finished epochs the tracker lacks (those a failing tracker missed), read from metrics.jsonl and checked against
+the tracker's own history.
+
+Tracking never costs a run and never changes what is trained: every call to the tracker runs in one background
+thread, in order, each bounded by MLflow's HTTP timeout and retries (MLFLOW_SETTINGS); the training loop only
+queues them. The first call that fails gives one warning, and the tracker is left alone for the rest of the run.
+"""
+
+import contextlib
+import json
+import os
+import platform
+import queue
+import subprocess
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from machine import describe_cpu, physical_memory
+from recipe.config import Config
+from utils import UserError, misfits, read_json, warn, write_json
+
+TRACKED_RUN_NAME = "tracked_run.json"  # in a run's folder: {"tracking_uri": ..., "run_id": ...}
+EXPERIMENT = "flowers"  # the experiment a run is tracked in, unless MLFLOW_EXPERIMENT_NAME names another
+# MLflow's settings in this process, unless the environment sets them: a request waits at most 10 s for an
+# answer and is tried 3 times (0 s, then 2 s apart, with up to 1 s of jitter), so a tracker that does not answer
+# is given up within about 35 s; no INFO lines among the run's (a new SQLite file's "Creating initial MLflow
+# database tables"); a local folder is accepted as the tracker (MLflow 3 keeps that store in maintenance mode
+# and refuses it otherwise); and no usage report sent to MLflow's makers: a run sends only what it was asked to.
+MLFLOW_SETTINGS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",
+    "MLFLOW_ALLOW_FILE_STORE": "true",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+}
+# How long the end of a run waits for the tracker to take what is queued: at the end of training, for the
+# weights' upload too; after a stop signal or a failure, briefly (a preempted job has seconds before SIGKILL).
+FINISH_WAIT, STOP_WAIT = 120.0, 10.0
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+class Tracking:
+    """The tracked run of the run in `plan.output_dir`, in MLflow at --tracking-uri (or MLFLOW_TRACKING_URI), from
+    start() to end(). Off (no tracker named, or `enabled` false: every rank but 0 in DDP), it does nothing but
+    keep the resumed checkpoint's entry for the next checkpoint."""
+
+    def __init__(self, config: Config, plan, record: dict, device: torch.device, enabled: bool = True):
+        self.uri = (config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None) if enabled else None
+        self.output_dir, self.record, self.device = plan.output_dir, record, device
+        self.track_weights = config.track_weights
+        self.tracked_run = plan.tracked_run  # the checkpoint's entry, until this run opens its tracked run
+        self.run_id, self.client, self.thread, self.failed = None, None, None, False
+        self.epochs: list[dict] = []  # the epochs logged, metrics.jsonl's lines: the training curves' points
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.warned = threading.Lock()  # taken by the one warning a run gives
+
+    def start(self, finished: list[dict], start_epoch: int) -> None:
+        """Open the tracked run in the background: the one the checkpoint or the run's folder names, else a new
+        one; then log the `finished` epochs (metrics.jsonl's lines) it lacks. Call once the run's folder holds
+        args.json and its metrics.jsonl keeps only the epochs before `start_epoch`."""
+        if self.uri is None:
+            return
+        for name, value in MLFLOW_SETTINGS.items():
+            os.environ.setdefault(name, value)
+        known = checked_entry(self.tracked_run, "the checkpoint's tracked run") or read_tracked_run(self.output_dir)
+        print(f"Tracking: MLflow at {self.uri}, experiment {experiment_name()}", flush=True)
+        self.thread = threading.Thread(target=self.work, name="mlflow-tracking", daemon=True)
+        self.thread.start()
+        self.call(self.open, known, sorted(finished, key=lambda line: line["epoch"]), start_epoch)
+
+    def epoch(self, metrics: dict) -> None:
+        """Log an epoch whose checkpoint is saved (never before: an epoch trained again is then never logged
+        twice)."""
+        self.call(self.log_epochs, [metrics])
+
+    def checkpoint_entry(self) -> dict:
+        """What a checkpoint keeps of the tracked run ("tracked_run"), so that a resume continues it."""
+        return {"tracked_run": self.tracked_run} if self.tracked_run is not None else {}
+
+    @contextlib.contextmanager
+    def marks_how_the_run_ends(self):
+        """Inside, the epochs: a stop (the SystemExit of a stop signal, Ctrl-C) marks the tracked run KILLED, any
+        other exception FAILED. The end of training is end("FINISHED")."""
+        try:
+            yield
+        except (SystemExit, KeyboardInterrupt):
+            self.end("KILLED")
+            raise
+        except BaseException:
+            self.end("FAILED")
+            raise
+
+    def end(self, status: str) -> None:
+        """Mark the tracked run `status` (FINISHED, KILLED, FAILED), after what is queued, waiting a bounded time."""
+        if self.thread is None:
+            return
+        self.call(self.close, status)
+        self.calls.put(None)  # the thread's last call
+        wait = FINISH_WAIT if status == "FINISHED" else STOP_WAIT
+        self.thread.join(wait)
+        if self.thread.is_alive():
+            self.warn_once(f"the tracker at {self.uri} took more than {wait:g} s: the run ends without waiting for it")
+        self.thread = None
+
+    # What follows runs in the background thread, in the order queued.
+
+    def call(self, function, *args) -> None:
+        if self.thread is not None:
+            self.calls.put((function, args))
+
+    def work(self) -> None:
+        while (queued := self.calls.get()) is not None:
+            function, args = queued
+            if self.failed:
+                continue
+            try:
+                function(*args)
+            except Exception as error:  # whatever the tracker or its client raises: the run goes on without it
+                self.failed = True
+                reason = textwrap.shorten(f"{type(error).__name__}: {error}", 240)
+                self.warn_once(
+                    f"MLflow tracking at {self.uri} failed ({reason}): the run goes on untracked; a resume of the "
+                    "run logs the epochs the tracker missed"
+                )
+
+    def warn_once(self, message: str) -> None:
+        if self.warned.acquire(blocking=False):
+            warn(message)
+
+    def open(self, known: dict | None, finished: list[dict], start_epoch: int) -> None:
+        from mlflow.entities import Param, RunTag
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(self.uri)
+        run = self.continued(known["run_id"]) if known else None
+        logged = self.logged_epochs(run.info.run_id) if run else set()
+        if run is not None and max(logged, default=-1) >= start_epoch:  # a resume of an older checkpoint's copy
+            print(f"note: tracked run {run.info.run_id} holds epochs from {start_epoch} on: tracking as a new run")
+            run, logged = None, set()
+        if run is None:
+            run = self.client.create_run(self.experiment_id(), run_name=self.output_dir.name)
+            recipe = [Param(name, str(self.record[name])) for name in Config.recipe_fields() if name in self.record]
+            self.client.log_batch(run.info.run_id, params=recipe)
+        elif run.info.status != "RUNNING":
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        self.run_id = run.info.run_id
+        self.tracked_run = {"tracking_uri": self.uri, "run_id": self.run_id}
+        write_json(self.output_dir / TRACKED_RUN_NAME, self.tracked_run)
+        self.client.log_batch(self.run_id, tags=[RunTag(name, value) for name, value in self.tags().items()])
+        self.client.log_artifact(self.run_id, str(self.output_dir / "args.json"))
+        self.epochs = [line for line in finished if line["epoch"] in logged]
+        self.log_epochs([line for line in finished if line["epoch"] not in logged])
+
+    def continued(self, run_id: str):
+        """The tracked run `run_id`, or None (and a note) where this tracker has none of that id (deleted, or
+        tracked elsewhere)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            run = None
+        if run is None or run.info.lifecycle_stage == "deleted":
+            print(
+                f"note: {self.uri} has no tracked run {run_id} (deleted, or tracked elsewhere): tracking as a new run"
+            )
+            return None
+        return run
+
+    def logged_epochs(self, run_id: str) -> set[int]:
+        return {point.step for point in self.client.get_metric_history(run_id, "train_loss")}
+
+    def experiment_id(self) -> str:
+        """The experiment's id, made if need be: with its artifacts beside a SQLite file (MLflow's default would be
+        the current folder's mlruns/)."""
+        from mlflow.exceptions import MlflowException
+
+        name = experiment_name()
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        location = None
+        if self.uri.startswith("sqlite:///"):
+            location = (Path(self.uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts" / name).as_uri()
+        try:  # tagged as model training, so that MLflow's UI opens on its runs and their charts, not on traces
+            return self.client.create_experiment(
+                name, location, tags={"mlflow.experimentKind": "custom_model_development"}
+            )
+        except MlflowException:  # another run made it meanwhile
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def log_epochs(self, lines: list[dict]) -> None:
+        """Log the epochs of metrics.jsonl's `lines` (their numbers, and the best validation accuracy so far), and
+        the training curves of every epoch logged."""
+        from mlflow.entities import Metric
+
+        if not lines:
+            return
+        now, metrics = int(time.time() * 1000), []
+        for line in lines:
+            self.epochs = sorted([*self.epochs, line], key=lambda epoch: epoch["epoch"])
+            best = max(accuracy(epoch) for epoch in self.epochs if epoch["epoch"] <= line["epoch"])
+            numbers = {key: value for key, value in line.items() if is_number(value) and key != "epoch"}
+            numbers["best_val_acc"] = best
+            metrics += [Metric(key, float(value), now, line["epoch"]) for key, value in numbers.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+        from plot_results import plot_curves, run_label  # matplotlib: imported here, by the thread alone
+
+        figure = plot_curves([(run_label(self.output_dir, self.epochs), self.epochs)])
+        self.client.log_figure(self.run_id, figure, "training_curves.png")
+
+    def close(self, status: str) -> None:
+        if self.run_id is None:
+            return
+        best = self.output_dir / "weights" / "best.pth"
+        if status == "FINISHED" and self.track_weights and best.exists():
+            self.client.log_artifact(self.run_id, str(best), "weights")
+        self.client.set_terminated(self.run_id, status)
+
+    def tags(self) -> dict:
+        """What the tracked run says of this start (each start replaces them): the flags that are not the recipe,
+        with what auto chose (the record's), and the machine."""
+        plain = lambda value: json.dumps(value) if isinstance(value, dict | list) else str(value)  # noqa: E731
+        tags = {name: plain(value) for name, value in self.record.items() if name not in Config.recipe_fields()}
+        tags |= {
+            "mlflow.source.name": f"{self.record.get('script', 'train_single_gpu')}.py",
+            "mlflow.source.type": "LOCAL",
+            "host": platform.node(),
+            "cpu": describe_cpu(),
+            "memory_gib": f"{(physical_memory() or 0) / 2**30:.0f}",
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        }
+        if self.device.type == "cuda":
+            tags["gpu"] = torch.cuda.get_device_name(self.device)
+        commit = git_commit()
+        if commit is not None:
+            tags["mlflow.source.git.commit"] = commit
+        return tags
+
+
+def experiment_name() -> str:
+    return os.environ.get("MLFLOW_EXPERIMENT_NAME") or EXPERIMENT
+
+
+def accuracy(line: dict) -> float:
+    """An epoch's validation accuracy: the better of the model's and its average's (best_so_far's measure)."""
+    return max(line["val_acc"], line.get("ema_val_acc", -1.0))
+
+
+def is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def git_commit() -> str | None:
+    """The project's commit, where it is a git checkout and git is installed; else None."""
+    try:
+        answer = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True, timeout=10
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return answer.stdout.strip() if answer.returncode == 0 and answer.stdout.strip() else None
+
+
+def checked_entry(entry, source: str) -> dict | None:
+    """A tracked run's entry ({"tracking_uri": ..., "run_id": ...}) from `source`, or None (with a warning when it
+    is damaged: the run is then tracked as a new one)."""
+    if entry is None:
+        return None
+    damage = misfits(entry, {"run_id": str})
+    if damage:
+        warn(f"{source} is damaged ({'; '.join(damage)}): tracking as a new run")
+        return None
+    return entry
+
+
+def read_tracked_run(folder: Path) -> dict | None:
+    """The tracked run that the run in `folder` names (TRACKED_RUN_NAME), if any."""
+    path = folder / TRACKED_RUN_NAME
+    if not path.exists():
+        return None
+    try:
+        return checked_entry(read_json(path, "tracked run file"), f"tracked run file {path}")
+    except UserError as error:
+        warn(f"{error}: tracking as a new run")
+        return None

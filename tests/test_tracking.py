@@ -1,0 +1,205 @@
+"""Experiment tracking (run/tracking.py): one tracked run through a stop by signal under torchrun, a failure, a
+resume on another number of processes and the end, each epoch logged once, read back through MLflow's own client
+as a user's tools would; a tracker that cannot be reached costs one warning and nothing else."""
+
+import contextlib
+import importlib
+import io
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import DDP_FLAGS, REFERENCE_FLAGS, fault_env, final_weights, run_script, torchrun
+
+from multi_train_utils.checkpoint import load_checkpoint
+from multi_train_utils.spawn_utils import find_free_port
+from recipe.config import Config
+from run import run_log
+from run.tracking import EXPERIMENT, MLFLOW_SETTINGS, TRACKED_RUN_NAME, Tracking, read_tracked_run
+from utils import OutputError
+
+
+@contextlib.contextmanager
+def mlflow_settings():
+    """MLflow's settings as a tracked run sets them in its process (MLFLOW_SETTINGS), set here first, so that a
+    script's main run in this process leaves the environment as it was; and no MLFLOW_TRACKING_URI of the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in MLFLOW_SETTINGS.items():
+            patch.setenv(name, value)
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        patch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def settings_of_this_test():
+    with mlflow_settings():
+        yield
+
+
+def tracked_runs(uri: str) -> list:
+    """Every run the tracker at `uri` holds, in any experiment, through MLflow's client."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    return client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])
+
+
+def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    return [(point.step, point.value) for point in MlflowClient(uri).get_metric_history(run_id, key)]
+
+
+def in_this_process(script: str, *args) -> tuple[int, str]:
+    """A script's main called in this process with a command line: (its exit status, what it printed)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        try:
+            importlib.import_module(script).main([str(arg) for arg in args])
+        except SystemExit as exit:
+            return exit.code, printed.getvalue()
+    return 0, printed.getvalue()
+
+
+def full_disk(output_dir, epoch, *args, **options):
+    """run_log's save_epoch on a full disk: the epoch's metrics.jsonl line is written, its checkpoint is not."""
+    raise OutputError(f"cannot write {output_dir / 'weights' / 'last.pth'}: No space left on device")
+
+
+def seen(uri: str) -> SimpleNamespace:
+    """The one run the tracker holds, and its train_loss points, now."""
+    (run,) = tracked_runs(uri)
+    return SimpleNamespace(run=run, points=history(uri, run.info.run_id, "train_loss"))
+
+
+@pytest.fixture(scope="module")
+def tracked(tiny_data, tmp_path_factory):
+    """One run (DDP_FLAGS: 2 epochs) tracked in a SQLite file through three starts: torchrun with 2 processes,
+    stopped by SIGTERM in its second epoch; resumed with --auto-resume in one process (this one: the launch script
+    started without torchrun), which trains that epoch to its end but cannot write its checkpoint (a full disk);
+    resumed again, to the end. A SimpleNamespace: the tracker's `uri`, the run's folder (`out`), and what the
+    tracker held after the stop (`stopped`) and after the failure (`failed`)."""
+    folder = tmp_path_factory.mktemp("tracked")
+    uri, out = f"sqlite:///{folder / 'mlflow.db'}", folder / "run"
+    flags = ("--data-path", tiny_data, *DDP_FLAGS, "--output-dir", out, "--tracking-uri", uri)
+    with mlflow_settings():
+        stop = run_script(
+            "train_multi_gpu_using_launch.py", *flags, launcher=torchrun(2), env=fault_env("stop:1:1:TERM"), timeout=240
+        )
+        assert "stopped by SIGTERM at epoch 1, step" in stop.stdout + stop.stderr, stop.stderr
+        assert "warning:" not in stop.stderr, stop.stderr
+        stopped = seen(uri)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(run_log, "save_epoch", full_disk)
+            status, printed = in_this_process("train_multi_gpu_using_launch", *flags, "--auto-resume")
+        assert status == 2 and "No space left on device" in printed, printed
+        failed = seen(uri)
+        status, printed = in_this_process("train_multi_gpu_using_launch", *flags, "--auto-resume")
+    assert status == 0 and "Resuming from" in printed and "warning:" not in printed, printed
+    return SimpleNamespace(uri=uri, out=out, stopped=stopped, failed=failed)
+
+
+def test_a_torchrun_run_stopped_failed_and_resumed_on_one_process_is_one_tracked_run_marked_as_it_ended(tracked):
+    (run,) = tracked_runs(tracked.uri)  # not one per rank, nor one per start
+    assert run.info.run_id == tracked.stopped.run.info.run_id == tracked.failed.run.info.run_id
+    statuses = [start.run.info.status for start in (tracked.stopped, tracked.failed)] + [run.info.status]
+    assert statuses == ["KILLED", "FAILED", "FINISHED"]
+    assert json.loads((tracked.out / TRACKED_RUN_NAME).read_text())["run_id"] == run.info.run_id
+    assert load_checkpoint(tracked.out / "checkpoint.pth")["tracked_run"]["run_id"] == run.info.run_id
+    assert run.info.run_name == tracked.out.name
+
+
+def test_each_epoch_is_logged_once_with_the_figures_of_the_run_that_finished_it(tracked):
+    # Epoch 1 was trained three times: stopped in its middle, finished without its checkpoint, then finished (from
+    # the step where it stopped) by the last start. An epoch is logged once its checkpoint is saved: once.
+    epochs = [json.loads(line) for line in (tracked.out / "metrics.jsonl").read_text().splitlines()]
+    assert tracked.stopped.points == tracked.failed.points == [(0, epochs[0]["train_loss"])]
+    assert [line["world_size"] for line in epochs] == [2, 1]
+    run_id = tracked.stopped.run.info.run_id
+    for key in ("train_loss", "val_acc", "val_correct", "lr", "epoch_seconds", "train_images_per_sec", "world_size"):
+        assert history(tracked.uri, run_id, key) == [(line["epoch"], line[key]) for line in epochs], key
+    best = [max(line["val_acc"] for line in epochs[: i + 1]) for i in range(len(epochs))]
+    assert [value for _, value in history(tracked.uri, run_id, "best_val_acc")] == best
+
+
+def test_the_tracked_run_holds_the_recipe_as_parameters_and_the_run_as_tags_and_artifacts(tracked):
+    from mlflow.tracking import MlflowClient
+
+    uri, out = tracked.uri, tracked.out
+    (run,) = tracked_runs(uri)
+    record = json.loads((out / "args.json").read_text())
+    assert run.data.params == {name: str(record[name]) for name in Config.recipe_fields()}
+    tags = run.data.tags
+    assert (tags["world_size"], tags["script"], tags["torch"]) == (
+        "1",
+        "train_multi_gpu_using_launch",
+        torch.__version__,
+    )
+    assert tags["amp"] == record["amp"] and tags["cpu"] and tags["output_dir"] == str(out)
+    artifacts = {artifact.path for artifact in MlflowClient(uri).list_artifacts(run.info.run_id)}
+    assert {"args.json", "training_curves.png"} <= artifacts
+    assert (out.parent / "mlartifacts" / EXPERIMENT).is_dir()  # beside the SQLite file, not in the current folder
+
+
+def test_an_unreachable_tracker_costs_one_warning_and_nothing_else(tiny_data, tmp_path, reference_run, capsys):
+    uri = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there
+    out = tmp_path / "run"
+    flags = ("--data-path", tiny_data, *REFERENCE_FLAGS, "--output-dir", out, "--tracking-uri", uri)
+    importlib.import_module("train_single_gpu").main([str(flag) for flag in flags])  # returns: exit status 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line or "Traceback" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: MLflow tracking at {uri} failed"), warnings
+    expected, weights = final_weights(reference_run), final_weights(out)
+    assert all(torch.equal(expected[key], weights[key]) for key in expected)
+
+
+def settled(tracking: Tracking) -> None:
+    """Wait until the tracking thread has made every call queued so far."""
+    done = threading.Event()
+    tracking.call(done.set)
+    assert done.wait(60)
+
+
+def epoch_line(epoch: int, val_acc: float) -> dict:
+    return {"epoch": epoch, "train_loss": 1.0 / (epoch + 1), "val_acc": val_acc, "lr": 0.1, "world_size": 1}
+
+
+@pytest.mark.fast
+def test_a_restart_continues_the_tracked_run_logs_the_epochs_it_lacks_and_marks_each_end(tmp_path):
+    # A run tracked in a folder (a local store) logs epoch 0 and stops; the restart finds the tracked run in the
+    # run's folder, marks it running, logs epoch 1 that the tracker missed from metrics.jsonl's lines, and fails.
+    uri, out = str(tmp_path / "mlruns"), tmp_path / "run"
+    out.mkdir()
+    (out / "args.json").write_text("{}")
+    config, plan = Config(tracking_uri=uri), SimpleNamespace(output_dir=out, tracked_run=None)
+    first = Tracking(config, plan, Config(epochs=3).record(), torch.device("cpu"))
+    first.start([], 0)
+    first.epoch(epoch_line(0, 0.5))
+    with pytest.raises(SystemExit), first.marks_how_the_run_ends():
+        raise SystemExit(143)  # a stop by signal
+    (run,) = tracked_runs(uri)
+    assert run.info.status == "KILLED" and history(uri, run.info.run_id, "val_acc") == [(0, 0.5)]
+
+    again = Tracking(config, plan, Config(epochs=3).record(), torch.device("cpu"))
+    again.start([epoch_line(0, 0.5), epoch_line(1, 0.25)], 2)
+    settled(again)
+    (run,) = tracked_runs(uri)
+    assert run.info.status == "RUNNING"
+    assert history(uri, run.info.run_id, "val_acc") == [(0, 0.5), (1, 0.25)]
+    assert history(uri, run.info.run_id, "best_val_acc") == [(0, 0.5), (1, 0.5)]
+    with pytest.raises(RuntimeError), again.marks_how_the_run_ends():
+        raise RuntimeError("a crash")
+    (run,) = tracked_runs(uri)
+    assert run.info.status == "FAILED" and again.checkpoint_entry()["tracked_run"]["run_id"] == run.info.run_id
+
+
+@pytest.mark.fast
+def test_a_damaged_tracked_run_file_is_a_warning_and_a_new_tracked_run(tmp_path, capsys):
+    (tmp_path / TRACKED_RUN_NAME).write_text('{"run_id": 3}')
+    assert read_tracked_run(tmp_path) is None
+    assert capsys.readouterr().err.startswith(f"warning: tracked run file {tmp_path / TRACKED_RUN_NAME} is damaged")
+    (tmp_path / TRACKED_RUN_NAME).write_text('{"run_id": "3f2a"')
+    assert read_tracked_run(tmp_path) is None and "is not valid JSON" in capsys.readouterr().err
+    assert read_tracked_run(tmp_path / "absent") is None
