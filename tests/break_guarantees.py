@@ -24,6 +24,7 @@ RESUME_MATRIX = (
     "tests/test_resume_matrix.py::test_every_interrupted_run_resumes_to_the_uninterrupted_runs_weights_and_metrics"
 )
 FR, MB, FT = "tests/test_files_read_back.py::", "tests/test_micro_batch.py::", "tests/test_fine_tuning.py::"
+TK = "tests/test_tracking.py::"
 NO_WAIT_STEP = HS + "test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing"
 STEP_TEST = EQ + "test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch"
 SHARD_TEST = EQ + "test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch"
@@ -168,6 +169,16 @@ BREAKS = [
      FT + "test_under_a_gradient_scaler_the_clipped_norm_is_max_in_the_gradients_true_units"),
     ("14e weight decay on norms", "model.py", "        if isinstance(layer, NORMS):", "        if False:",
      FT + "test_norm_weights_and_biases_take_norm_weight_decay_and_the_other_weights_weight_decay"),
+    ("15a an epoch tracked before it is saved", "run/run_log.py",
+     "            save_epoch(self.output_dir, epoch, model.state_dict(), best_weights, state, keep=keep)\n"
+     "            self.tracking.epoch(metrics)",
+     "            self.tracking.epoch(metrics)\n"
+     "            save_epoch(self.output_dir, epoch, model.state_dict(), best_weights, state, keep=keep)",
+     TK + "test_each_epoch_is_logged_once_with_the_figures_of_the_run_that_finished_it"),
+    ("15b every rank tracks", "run/run_log.py", "        if not enabled:\n            return\n        write_class",
+     "        if not enabled:\n            self.tracking = Tracking(config, plan, self.record, process.device)\n"
+     "            self.tracking.start([], start_epoch)\n            return\n        write_class",
+     TK + "test_a_torchrun_run_stopped_failed_and_resumed_on_one_process_is_one_tracked_run_marked_as_it_ended"),
     ("14f layer decay one layer off", "model.py", "layer_decay ** (len(prefixes) - depth)",
      "layer_decay ** (len(prefixes) - depth - 1)",
      FT + "test_layer_decay_gives_the_head_the_full_rate_and_each_stage_before_it_f_times_the_next"),
