@@ -97,15 +97,33 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
         return _GlobalBatchNorm.apply(x, self.weight, self.bias, mean, var, self.eps, total)
 
 
+class SyncBatchNormAct2d(SyncBatchNorm2d):
+    """timm's BatchNormAct2d synchronised: BatchNorm over the global batch, then the layer's own dropout and
+    activation (its `drop` and `act`), as timm's layer applies them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))
+
+
+def is_norm_act(layer: nn.Module) -> bool:
+    """timm's BatchNorm with its activation in one layer (timm.layers.BatchNormAct2d: EfficientNet's, and many of
+    timm's networks'), known by its name and its parts, so that timm need not be imported to ask."""
+    return isinstance(layer, nn.BatchNorm2d) and type(layer).__name__ == "BatchNormAct2d" and hasattr(layer, "act")
+
+
 def convert_sync_batchnorm(model: nn.Module) -> nn.Module:
-    """Replace every BatchNorm2d with a synchronised one (SyncBatchNorm2d), its weights and statistics kept."""
+    """Replace every BatchNorm2d with a synchronised one (SyncBatchNorm2d), and every timm BatchNormAct2d with
+    SyncBatchNormAct2d, their weights and statistics kept (the very tensors), their activations too."""
     for name, child in model.named_children():
-        if type(child) is nn.BatchNorm2d:
-            synced = SyncBatchNorm2d(
+        if type(child) is nn.BatchNorm2d or is_norm_act(child):
+            kind = SyncBatchNormAct2d if is_norm_act(child) else SyncBatchNorm2d
+            synced = kind(
                 child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats, device="meta"
             )
             for tensor_name, tensor in itertools.chain(child.named_parameters(), child.named_buffers()):
                 setattr(synced, tensor_name, tensor)  # the very tensors: their values, device and requires_grad
+            if kind is SyncBatchNormAct2d:
+                synced.drop, synced.act = child.drop, child.act
             synced.train(child.training)
             setattr(model, name, synced)
         else:

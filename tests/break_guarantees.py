@@ -169,6 +169,10 @@ BREAKS = [
      FT + "test_under_a_gradient_scaler_the_clipped_norm_is_max_in_the_gradients_true_units"),
     ("14e weight decay on norms", "model.py", "        if isinstance(layer, NORMS):", "        if False:",
      FT + "test_norm_weights_and_biases_take_norm_weight_decay_and_the_other_weights_weight_decay"),
+    ("14g timm's BatchNorm left unsynchronised", "multi_train_utils/sync_batchnorm.py",
+     '    return isinstance(layer, nn.BatchNorm2d) and type(layer).__name__ == "BatchNormAct2d"',
+     "    return False and isinstance(layer, nn.BatchNorm2d)",
+     FT + "test_sync_bn_synchronises_timms_batchnorm_with_its_activation"),
     ("15a an epoch tracked before it is saved", "run/run_log.py",
      "            save_epoch(self.output_dir, epoch, model.state_dict(), best_weights, state, keep=keep)\n"
      "            self.tracking.epoch(metrics)",

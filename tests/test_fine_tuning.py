@@ -289,3 +289,45 @@ def test_a_timm_model_trains_and_a_resumed_run_ends_as_the_uninterrupted_one(
     assert "fc.weight" in weights and weights["fc.weight"].shape[0] == 5  # timm's ResNet, its head for our classes
     assert all(torch.equal(expected[key], weights[key]) for key in expected)
     assert metrics_without_timings(out) == metrics_without_timings(tmp_path / "whole")
+
+
+# --sync-bn for timm's models -------------------------------------------------------------------------------------
+
+
+class CountedTwoRanks:
+    """torch.distributed as SyncBatchNorm2d sees it in a group of two whose other rank has the same batch (its
+    all-reduce doubles the sums), counting the all-reduces."""
+
+    reduced = 0
+
+    @staticmethod
+    def is_initialized():
+        return True
+
+    @staticmethod
+    def get_world_size():
+        return 2
+
+    @classmethod
+    def all_reduce(cls, tensor, *args, **kwargs):
+        cls.reduced += 1
+        tensor.mul_(2)
+
+
+def test_sync_bn_synchronises_timms_batchnorm_with_its_activation(monkeypatch):
+    # timm's EfficientNet keeps BatchNorm and its activation in one layer (BatchNormAct2d), a subclass of
+    # BatchNorm2d: each is replaced, and computes as before with its activation (two ranks of the same batch give
+    # that batch's statistics), its statistics now the global batch's (one all-reduce a layer in the forward pass)
+    from multi_train_utils import sync_batchnorm
+
+    torch.manual_seed(0)
+    network = create_model(5, "timm/test_efficientnet").double().train()
+    synced = sync_batchnorm.convert_sync_batchnorm(copy.deepcopy(network))
+    layers = [layer for layer in network.modules() if isinstance(layer, nn.BatchNorm2d)]
+    kinds = {type(layer).__name__ for layer in synced.modules() if isinstance(layer, nn.BatchNorm2d)}
+    assert len(layers) > 5 and kinds == {"SyncBatchNormAct2d"}, kinds
+    assert synced.state_dict().keys() == network.state_dict().keys()
+    monkeypatch.setattr(sync_batchnorm, "dist", CountedTwoRanks)
+    images = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    assert torch.allclose(synced(images), network(images), atol=1e-10)
+    assert CountedTwoRanks.reduced == len(layers)
