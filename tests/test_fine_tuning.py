@@ -15,6 +15,7 @@ import pytest
 import timm
 import torch
 from conftest import FAST, assert_user_error, final_weights, metrics_without_timings
+from test_host_syncs import TwoRanks
 from torch import nn
 from torchvision.models import efficientnet_b0, resnet18
 
@@ -294,24 +295,15 @@ def test_a_timm_model_trains_and_a_resumed_run_ends_as_the_uninterrupted_one(
 # --sync-bn for timm's models -------------------------------------------------------------------------------------
 
 
-class CountedTwoRanks:
-    """torch.distributed as SyncBatchNorm2d sees it in a group of two whose other rank has the same batch (its
-    all-reduce doubles the sums), counting the all-reduces."""
+class CountedTwoRanks(TwoRanks):
+    """test_host_syncs.py's group of two ranks of the same batch, counting the all-reduces."""
 
     reduced = 0
-
-    @staticmethod
-    def is_initialized():
-        return True
-
-    @staticmethod
-    def get_world_size():
-        return 2
 
     @classmethod
     def all_reduce(cls, tensor, *args, **kwargs):
         cls.reduced += 1
-        tensor.mul_(2)
+        TwoRanks.all_reduce(tensor)
 
 
 def test_sync_bn_synchronises_timms_batchnorm_with_its_activation(monkeypatch):
