@@ -81,7 +81,7 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
         images, labels = compute.batch_to(images, device), labels.to(device, non_blocking=device.type == "cuda")
         images, mixing = objective.mix(images, epoch, step)
         pieces = objective.pieces(images, labels, mixing, compute.micro_batch)  # --micro-batch: what fits
-        loss_sum = 0.0
+        loss_sum = None
         for piece, (piece_images, piece_labels, piece_mixing) in enumerate(pieces, start=1):
             # DDP: the backward passes before a step's last only add up their gradients here (no_sync); the last
             # one's all-reduces the sum, so a step costs one all-reduce whatever --accumulate and --micro-batch are
@@ -95,7 +95,7 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
                     # each piece's share of the batch's mean; nothing read: a step of nothing, on every rank alike
                     loss = piece_sum / read if read else outputs.sum() * 0.0
                 steps.scaler.scale(loss / steps.group_size(step)).backward()
-            loss_sum = loss_sum + piece_sum.detach()
+            loss_sum = piece_sum.detach() if loss_sum is None else loss_sum + piece_sum.detach()
         steps.check(step, loss_sum, read, len(labels))  # the sums, one step behind: loss, unreadable, stop votes
         if steps.last_of_group(step):
             optimizer_step(training, steps.scaler)

@@ -107,10 +107,7 @@ def tune(config, plan, device: torch.device, processes_here: int, train_set) -> 
     for line in choice.lines:
         print_once(line)
     print_once(summary(choice.compute, *reasons(config, device)))
-    compute = (
-        choice.compute if config.micro_batch is None else replace(choice.compute, micro_batch=given_micro_batch(config))
-    )
-    return workers, compute
+    return workers, choice.compute  # with the micro-batch measured, remembered or given (the cache key holds it)
 
 
 def given_micro_batch(config) -> int | None:

@@ -46,10 +46,15 @@ def skipped_note(metrics: dict) -> str:
     return f"  (unreadable, left out: {skipped[0]} training, {skipped[1]} validation images)"
 
 
+def epoch_accuracy(metrics: dict) -> float:
+    """An epoch's validation accuracy (its metrics.jsonl line): the better of the model's and its average's."""
+    return max(metrics["val_acc"], metrics.get("ema_val_acc", -1.0))
+
+
 def best_so_far(metrics: dict, model, ema, best_acc: float):
     """(the network to save as best.pth, or None if this epoch did not improve on `best_acc`; the new best
     accuracy): the better of the model and its average (`ema`, if any; on a tie, the model)."""
-    accuracy = max(metrics["val_acc"], metrics.get("ema_val_acc", -1.0))
+    accuracy = epoch_accuracy(metrics)
     better = ema.module if metrics.get("ema_val_acc", -1.0) > metrics["val_acc"] else model
     return (better if accuracy > best_acc else None), max(best_acc, accuracy)
 

@@ -32,6 +32,7 @@ import torch
 
 from machine import describe_cpu, physical_memory
 from recipe.config import Config
+from run.metrics import epoch_accuracy
 from utils import UserError, misfits, read_json, warn, write_json
 
 TRACKED_RUN_NAME = "tracked_run.json"  # in a run's folder: {"tracking_uri": ..., "run_id": ...}
@@ -217,7 +218,7 @@ class Tracking:
         now, metrics = int(time.time() * 1000), []
         for line in lines:
             self.epochs = sorted([*self.epochs, line], key=lambda epoch: epoch["epoch"])
-            best = max(accuracy(epoch) for epoch in self.epochs if epoch["epoch"] <= line["epoch"])
+            best = max(epoch_accuracy(epoch) for epoch in self.epochs if epoch["epoch"] <= line["epoch"])
             numbers = {key: value for key, value in line.items() if is_number(value) and key != "epoch"}
             numbers["best_val_acc"] = best
             metrics += [Metric(key, float(value), now, line["epoch"]) for key, value in numbers.items()]
@@ -260,11 +261,6 @@ class Tracking:
 
 def experiment_name() -> str:
     return os.environ.get("MLFLOW_EXPERIMENT_NAME") or EXPERIMENT
-
-
-def accuracy(line: dict) -> float:
-    """An epoch's validation accuracy: the better of the model's and its average's (best_so_far's measure)."""
-    return max(line["val_acc"], line.get("ema_val_acc", -1.0))
 
 
 def is_number(value) -> bool:
