@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dataset.folders import read_split_data
-from dataset.image_check import ImageCheck
+from dataset.image_check import CHECKED_IMAGES, ImageCheck
 from multi_train_utils.bookkeeping import Tally
 from multi_train_utils.distributed_utils import cleanup, is_main_process, on_main_process, print_once, val_shard
 from multi_train_utils.spawn_utils import choose_meeting_point, report_failures, run_workers
@@ -41,7 +41,18 @@ from run.scoring import (
     spawned_world_size,
 )
 from run.trained import add_model_arguments, image_loader, load_trained_model
-from utils import HelpFormatter, Parser, UserError, check_writable, describe, entry_point, number, write_json
+from utils import (
+    HelpFormatter,
+    OutputError,
+    Parser,
+    UserError,
+    check_writable,
+    describe,
+    entry_point,
+    number,
+    warn,
+    write_json,
+)
 
 TOPK = 5  # top-5 accuracy, reported with more classes than this
 
@@ -145,6 +156,13 @@ def plan(args, trained) -> Evaluation:
     split = read_split_data(data_path, val_rate, seed, verify_images=verify)
     if split.classes != trained.classes:
         raise UserError(f"{args.weights} was trained on classes {trained.classes}, but {data_path} has {split.classes}")
+    # A run's verdicts kept up to date, a damaged file replaced, as a training run does (none made where there is
+    # none, beside weights of no run)
+    if verify and is_main_process() and (trained.run_folder / CHECKED_IMAGES).exists():
+        try:
+            verify.save(trained.run_folder, merge=True)
+        except OutputError as error:  # a run folder this user may not write: its images are checked again next time
+            warn(f"{error}: the verdicts of its images are not kept")
     images, labels, used, announcement = chosen_images(args, split, data_path, val_rate, seed)
     return Evaluation(images, labels, used, announcement, split.unreadable, output_dir)
 

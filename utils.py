@@ -13,6 +13,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 
@@ -82,11 +83,14 @@ def describe(paths: list[str], shown: int = 5) -> str:
     return ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 
 
-def safe_load(path, what: str):
-    """torch.load(weights_only=True) of a file the user named, with any failure as a UserError.
+def safe_load(path, what: str, if_damaged: str = "copy it again from where it came from, or use another copy"):
+    """torch.load(weights_only=True) of a file the user named, with any failure as a UserError; `if_damaged`
+    says what to do with a file whose bytes changed since it was saved.
 
     weights_only=True unpickles tensors and plain containers only: a file whose pickle would run code is refused
-    before any of it runs.
+    before any of it runs. A file of torch.save's format, a zip archive, is first checked against the CRC-32 it
+    keeps of each record (torch.load checks none): a byte changed in a tensor is refused, not loaded as another
+    number. A file that is no PyTorch file (a text file, an image) is named as such.
     """
     import torch  # here, so that the data helpers above do not need torch
 
@@ -94,15 +98,88 @@ def safe_load(path, what: str):
     if not path.is_file():
         raise UserError(f"{what} {path} {'is a folder' if path.is_dir() else 'does not exist'}")
     try:
+        with open(path, "rb") as f:
+            start = f.read(TAR_MAGIC_END)
+        damage = damaged_record(path) if start.startswith(ZIP_MAGIC) else None
+    except OSError as error:
+        raise UserError(f"cannot read {what} {path}: {error.strerror or error}") from None
+    if damage is not None:
+        raise UserError(f"{what} {path} is damaged ({damage}): {if_damaged}")
+    other = other_kind(start)
+    if other is not None:
+        raise UserError(f"{what} {path} is not a PyTorch file ({other})")
+    try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         reason = str(error).split("WeightsUnpickler error:")[-1].strip().split(". ")[0].split("\n")[0]
+        if reason.startswith("Unsupported operand"):  # not a pickle from there on: a damaged file, not a refusal
+            raise UserError(f"{what} {path} cannot be read as a PyTorch file (a damaged pickle: {reason})") from None
         raise UserError(f"{what} {path} was refused by the safe loader (weights_only=True): {reason}") from None
     except Exception as error:  # torch.load raises many types for a file that is not a (whole) torch file
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise UserError(
             f"{what} {path} cannot be read as a PyTorch file ({type(error).__name__}: {first_line})"
         ) from None
+
+
+# How a PyTorch file begins: torch.save's zip archive (since torch 1.6), its older format (a pickle of protocol 2
+# or later), or the oldest (a tar archive, "ustar" at bytes 257-261)
+ZIP_MAGIC, PICKLE_MAGIC, TAR_MAGIC_END = b"PK\x03\x04", b"\x80", 262
+MS_DOS_FOLDER = 0x10  # a zip record's external attribute: the record is a folder
+
+
+def damaged_record(path: Path) -> str | None:
+    """Which record of the zip archive `path` fails the CRC-32 the archive keeps of it, and how; None when every
+    record passes, or when the archive's directory cannot be read (a file cut short: torch.load then says so).
+
+    A record with a CRC of 0 is not checked: torch.save writes 0 for every record when it is told to compute none
+    (torch.serialization.set_crc32_options(False)). Reads the whole file once more: 0.05 s for a ResNet-34
+    checkpoint of 170 MB on a 2-core Zen 4 EPYC (docs/resuming-and-failures.md)."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except OSError:
+        raise  # the file could not be read: not damage
+    except Exception:  # BadZipFile, NotImplementedError, ValueError ...: no directory, or a damaged one
+        return None
+    with archive:
+        for record in archive.infolist():
+            if record.external_attr & MS_DOS_FOLDER:  # torch writes none; torch.load leaves its tensor unfilled
+                return f"its record {record.filename!r} is marked as a folder"
+            if record.CRC == 0:
+                continue
+            try:
+                with archive.open(record) as data:
+                    while data.read(1 << 24):  # zipfile compares the CRC-32 at the record's end
+                        pass
+            except OSError:
+                raise  # the file could not be read: not damage
+            except Exception as error:  # BadZipFile for a CRC; EOFError, NotImplementedError, ... for a damaged header
+                reason = " ".join(str(error).split()) or type(error).__name__
+                return f"its record {record.filename!r} fails zipfile's check: {reason}"
+    return None
+
+
+def other_kind(start: bytes) -> str | None:
+    """What a file that begins with the bytes `start` seems to be, if it is no PyTorch file; None if it may be one."""
+    if start.startswith(ZIP_MAGIC):
+        return None
+    if start[8:9] == b"{":  # 8 bytes, the length of a JSON header, then the header (its length may start with 0x80)
+        return "a safetensors file, it seems: --weights reads one when its name ends in .safetensors"
+    if start.startswith(PICKLE_MAGIC) or start[TAR_MAGIC_END - 5 :] == b"ustar":
+        return None
+    if not start:
+        return "it is empty"
+    if start.startswith(b"\xff\xd8\xff"):
+        return "a JPEG image"
+    if start.startswith(b"\x89PNG"):
+        return "a PNG image"
+    try:
+        text = start.decode("utf-8")
+    except UnicodeDecodeError as error:  # maybe a character cut at the end of `start`
+        text = start[: error.start].decode("utf-8") if error.start >= len(start) - 3 else ""
+    if text and all(character.isprintable() or character in "\t\r\n" for character in text):
+        return f"a text file, beginning {text.lstrip()[:24]!r}"
+    return f"it begins {start[:8]!r}"
 
 
 def read_text(path, what: str) -> str:

@@ -19,6 +19,7 @@ flower_photos, minutes for a million images. Two rules keep it cheap:
   a second, so each rank checks for itself, as before.
 """
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -54,7 +55,7 @@ class ImageCheck:
         stale = self.stale(now)
         if stale and self.shared:
             self.folder.mkdir(parents=True, exist_ok=True)
-            with FileLock(self.folder / CHECK_LOCK):  # the other ranks wait here while one decodes
+            with check_lock(self.folder):  # the other ranks wait here while one decodes
                 self.verdicts = self.remembered(self.folder)  # those a rank that held the lock before wrote
                 if self.stale(now):
                     self.decode(now)
@@ -98,18 +99,38 @@ class ImageCheck:
         self.unsaved = self.unsaved or len(listed) != len(self.verdicts)
         self.verdicts = listed
 
-    def save(self, folder: Path) -> None:
-        """Write the verdicts of the images listed at the last check into `folder` (atomically), if any changed.
-        Called by the process that writes the run's files, once it holds the folder (plan.prepare)."""
+    def save(self, folder: Path, merge: bool = False) -> None:
+        """Write the verdicts of the images listed at the last check into `folder` (atomically), if any changed: a
+        damaged file is replaced by a good one. Called by the process that writes the run's files, once it holds
+        the folder (plan.prepare), and by evaluate.py, which `merge`s its verdicts into the run's."""
         if not self.unsaved:
             return
         # Merged with the verdicts already there: under torchrun the ranks check before rank 0 holds the folder, so
-        # a run that is then refused (another run holds it) must not take that run's verdicts away.
-        verdicts = self.remembered(folder, quietly=True) | self.verdicts if self.shared else self.verdicts
+        # a run that is then refused (another run holds it) must not take that run's verdicts away; nor may an
+        # evaluation of other images.
+        verdicts = self.remembered(folder, quietly=True) | self.verdicts if self.shared or merge else self.verdicts
         record = {"format": FORMAT, "root": str(self.root), "images": verdicts}
         text = json.dumps(record, separators=(",", ":"))
         write_atomically(folder / CHECKED_IMAGES, lambda f: f.write(text))
         self.unsaved = False
+
+
+@contextlib.contextmanager
+def check_lock(folder: Path):
+    """Hold the lock in `folder` that the ranks of a run take in turn to check its images, waiting for it; UserError
+    if it cannot be taken (a folder in its place, or a file this user may not open)."""
+    lock = FileLock(folder / CHECK_LOCK)
+    try:
+        lock.acquire()
+    except OSError as error:
+        raise UserError(
+            f"cannot take the lock {folder / CHECK_LOCK}: {error.strerror or error} (the lock the processes of a run "
+            "take in turn to check its images is a file this user can open): remove it and run again"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def file_key(path: str) -> tuple[int, int] | None:

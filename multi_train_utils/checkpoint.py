@@ -72,7 +72,7 @@ def training_state(epoch, model, training, best_acc, classes, world_size, record
 def load_checkpoint(path) -> dict:
     """Read a checkpoint written by save_atomically(training_state(...)); UserError if it is not one, or if an
     entry is not what the scripts write there (a damaged or hand-edited file)."""
-    state = safe_load(path, "checkpoint")
+    state = safe_load(path, "checkpoint", if_damaged=start_anew(path))
     if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
         raise UserError(f"{path} is not a training checkpoint of these scripts (weights only? use --weights)")
     damage = misfits(state, CHECKPOINT_SHAPE)

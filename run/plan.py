@@ -14,11 +14,12 @@ from filelock import BaseFileLock, FileLock, Timeout
 from dataset.demo import DEMO_DATA_PATH, make_demo_data
 from dataset.folders import DataSplit, read_split_data, split_fingerprint
 from dataset.image_check import ImageCheck
-from model import create_model, load_weights, random_draws, weights_file
+from model import create_model, load_weights, random_draws, read_state_dict, weights_file
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from multi_train_utils.distributed_utils import check_backend, launcher_environment
 from recipe.config import Config, admitted
 from run.metrics import METRICS_NAME, read_metrics
+from run.trained import of_their_model
 from utils import UserError, check_writable, describe, run_files_in
 
 
@@ -63,7 +64,10 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     if config.weights is not None:
         weights = weights_file(config.weights, config.model)  # `imagenet`: downloaded here, before any worker starts
         # refuse an unusable file before starting, and say what it holds for the model
-        report = load_weights(create_model(len(split.classes), config.model), weights, name=config.model)
+        state_dict, model = read_state_dict(weights), create_model(len(split.classes), config.model)
+        fix = "train {theirs} from them (--model {theirs}), or {model} from other weights (--weights imagenet, or none)"
+        with of_their_model(weights, config.model, fix):  # (read first: a file that cannot be read is said as such)
+            report = load_weights(model, state_dict, name=config.model, what=f"weights file {weights}")
         if first_rank():  # under torchrun every rank prepares: say it once
             print(f"Weights from {weights}: {report.summary()}", flush=True)
     check_writable(output_dir)
@@ -239,11 +243,23 @@ def check_same_recipe(checkpoint: Path, saved: dict, config: Config) -> None:
         for name in Config.recipe_fields()
         if name in saved and saved[name] != getattr(config, name)
     ]
-    if changed:
+    if not changed:
+        return
+    args_file = checkpoint.parent / "args.json"
+    own_flags = "the run's own flags" + (f" (--config {args_file} gives them)" if args_file.is_file() else "")
+    theirs = saved.get("model", config.model)
+    if theirs != config.model:  # its weights, and best.pth, fit no other network: no new run starts from them
+        others = [change for change in changed if not change.startswith("--model ")]
         raise UserError(
-            f"{checkpoint} was trained with {', '.join(changed)}: resume with the run's own flags, or start a "
-            f"new run from its weights (--weights {checkpoint.parent / 'weights' / 'best.pth'})"
+            f"{checkpoint} is a checkpoint of {theirs}, not of {config.model} (--model)"
+            + (f", and was trained with {', '.join(others)}" if others else "")
+            + f": resume it with {own_flags}, or start a new {config.model} run without its weights ({theirs}'s "
+            f"do not fit {config.model})"
         )
+    raise UserError(
+        f"{checkpoint} was trained with {', '.join(changed)}: resume with {own_flags}, or start a new run from its "
+        f"weights (--weights {checkpoint.parent / 'weights' / 'best.pth'})"
+    )
 
 
 def check_same_split(checkpoint: Path, saved: dict | None, now: dict) -> None:

@@ -6,6 +6,7 @@ beside it or one folder up; a checkpoint.pth carries them itself.
 """
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,39 @@ def run_file(weights: Path, name: str) -> Path | None:
 def run_folder(weights: Path) -> Path:
     """The run folder: the one that holds weights/ for best.pth, last.pth ..., else the weights' own folder."""
     return weights.parent.parent if weights.parent.name == "weights" else weights.parent
+
+
+def recorded_model(weights: Path) -> tuple[str, str] | None:
+    """The --model of the run that saved `weights`, and where it is recorded: its args.json (beside the weights or
+    one folder up), else the checkpoint's own record; None where neither says (or the record is damaged)."""
+    args_file = run_file(weights, "args.json")
+    try:
+        if args_file is not None:
+            record, where = read_json(args_file, "run flags file"), f"run flags file {args_file}"
+        else:
+            data = safe_load(weights, "weights file")
+            record, where = (data.get("args") if isinstance(data, dict) else None), f"checkpoint {weights}"
+    except UserError:  # a damaged record says nothing here: the refusal that asked stands as it is
+        return None
+    model = record.get("model") if isinstance(record, dict) else None
+    return (model, where) if isinstance(model, str) else None
+
+
+@contextlib.contextmanager
+def of_their_model(weights: Path, model: str, fix: str, recorded: tuple[str, str] | None = None):
+    """Inside, the state dict read from `weights` is loaded into `model`. If it does not fit (a UserError) and their
+    run recorded another --model (`recorded`, else recorded_model's), the error names the two instead, and what to
+    do: `fix`, with {theirs} and {model} for their model and `model`."""
+    try:
+        yield
+    except UserError:
+        theirs, where = recorded or recorded_model(weights) or (model, None)
+        if theirs == model:
+            raise
+        raise UserError(
+            f"weights file {weights} holds {theirs}'s weights ({where} says --model {theirs}), which do not fit "
+            f"{model} (--model): " + fix.format(theirs=theirs, model=model)
+        ) from None
 
 
 def class_names(indices, path: Path) -> list[str]:
@@ -109,7 +143,12 @@ def load_trained_model(
             f"but {classes_from} names {len(classes)}: {', '.join(classes)}"
         )
     model = create_model(len(classes), architecture)
-    with advice(f"{architecture} is {named_by} (--model NAME says which)"):
+    their_model = (run_args["model"], args_from) if isinstance(run_args.get("model"), str) else None
+    fix = "leave out --model (the run's {theirs} is used), or give weights of a {model} run"
+    with (
+        of_their_model(weights, architecture, fix, their_model),
+        advice(f"{architecture} is {named_by} (--model NAME says which)"),
+    ):
         load_weights(model, state_dict, strict=True, name=architecture, what=f"weights file {weights}")
     # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
     # (Weights whose run is unknown, or recorded "auto" before runs recorded what auto chose: float32 NCHW.)

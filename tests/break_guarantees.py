@@ -156,6 +156,9 @@ BREAKS = [
     ("13f a resume writes into another run", "run/plan.py", "    if found:\n", "    if False:\n",
      "tests/test_run_folder.py::"
      "test_a_resume_into_another_runs_folder_is_refused_and_one_into_a_new_folder_leaves_its_own_run_alone"),
+    ("13g a checkpoint's CRC-32s unchecked", "utils.py",
+     "damage = damaged_record(path) if start.startswith(ZIP_MAGIC) else None", "damage = None",
+     FR + "test_a_checkpoint_with_a_byte_flipped_is_refused_or_loads_the_saved_tensors"),
     ("14a a micro-batch's loss its own mean", "multi_train_utils/train_eval_utils.py",
      "loss = piece_sum / read if read", "loss = piece_sum / len(piece_labels) if read",
      MB + "test_micro_batches_take_the_step_of_the_whole_batch"),

@@ -4,10 +4,16 @@ import shutil
 
 import pytest
 import torch
-from conftest import FAST, assert_user_error, run_script
+from conftest import FAST, PINNED, assert_user_error, run_script
 from torchvision.models import mobilenet_v3_small
 
+from dataset.folders import write_class_indices
 from model import create_model
+from multi_train_utils.checkpoint import save_epoch, training_state
+from multi_train_utils.train_eval_utils import Training
+from recipe.config import SINGLE, parse_config
+from recipe.optimizer import build_optimizer
+from utils import write_json
 
 
 @pytest.fixture
@@ -35,10 +41,12 @@ def test_strict_images_turns_unreadable_images_into_an_error(data_with_bad_image
     assert not (tmp_path / "run").exists()
 
 
-def bad_weights(tmp_path, kind):
+def bad_weights(tmp_path, kind, tiny_data=None):
     path = tmp_path / f"{kind}.pth"
     if kind == "text":
         path.write_text("not weights")
+    elif kind == "jpeg":
+        shutil.copy(next((tiny_data / "roses").glob("*.jpg")), path)
     elif kind == "mobilenet_v3_small":
         torch.save(mobilenet_v3_small(num_classes=5).state_dict(), path)
     return path  # "missing": never created
@@ -48,14 +56,17 @@ def bad_weights(tmp_path, kind):
     "kind, fragment",
     [
         ("missing", "does not exist"),
-        ("text", "refused by the safe loader"),
+        ("text", "is not a PyTorch file (a text file, beginning 'not weights')"),
+        ("jpeg", "is not a PyTorch file (a JPEG image)"),
         ("mobilenet_v3_small", "has no tensor that fits this model"),
     ],
 )
 def test_unusable_weights_are_one_line_and_exit_2(tiny_data, tmp_path, run_main, kind, fragment):
-    result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--weights", bad_weights(tmp_path, kind),
+    weights = bad_weights(tmp_path, kind, tiny_data)
+    result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--weights", weights,
                         "--output-dir", tmp_path / "run", *FAST)  # fmt: skip
     assert_user_error(result, fragment)
+    assert "safe loader" not in result.stderr  # the words of a pickle that would run code, refused
 
 
 def test_unusable_resume_files_are_one_line_and_exit_2(tiny_data, tmp_path, run_main):
@@ -67,8 +78,78 @@ def test_unusable_resume_files_are_one_line_and_exit_2(tiny_data, tmp_path, run_
         (tmp_path / "absent.pth", "does not exist"),
         (truncated, "cannot be read"),
         (weights_only, "not a training checkpoint"),
+        (bad_weights(tmp_path, "jpeg", tiny_data), "is not a PyTorch file (a JPEG image)"),
     ]:
         assert_user_error(run_main("train_single_gpu.py", "--data-path", tiny_data, "--resume", path, *FAST), fragment)
+
+
+RUN_FLAGS = ("--img-size", "32", "--batch-size", "8", "--epochs", "2", *PINNED)
+
+
+@pytest.fixture(scope="module")
+def resnet18_run(tiny_data, tmp_path_factory):
+    """A run folder as a ResNet-18 run on tiny_data leaves it after its first epoch (RUN_FLAGS): args.json,
+    class_indices.json, weights/best.pth and last.pth, checkpoint.pth. Written as the scripts write them, without
+    training."""
+    run = tmp_path_factory.mktemp("resnet18_run")
+    config = parse_config(SINGLE, "", ["--data-path", str(tiny_data), "--model", "resnet18", *RUN_FLAGS])
+    record = config.record(world_size=1, recipe_world_size=1, split=None)
+    classes = sorted(folder.name for folder in tiny_data.iterdir())
+    model = create_model(len(classes), "resnet18")
+    training = Training(model, *build_optimizer(model, config, 1))
+    write_json(run / "args.json", record)
+    write_class_indices(classes, run)
+    state = training_state(0, model, training, 0.5, classes, 1, record)
+    save_epoch(run, 0, model.state_dict(), model.state_dict(), state)
+    return run
+
+
+@pytest.mark.fast
+def test_a_resume_as_another_model_names_both_and_suggests_no_weights_that_fit_no_other(
+    tiny_data, resnet18_run, run_main
+):
+    result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--resume", resnet18_run / "checkpoint.pth",
+                      "--model", "resnet34", *RUN_FLAGS)  # fmt: skip
+    assert_user_error(result, "checkpoint.pth is a checkpoint of resnet18, not of resnet34 (--model): resume it with")
+    assert f"--config {resnet18_run / 'args.json'}" in result.stderr and "--weights" not in result.stderr
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("weights", ["checkpoint.pth", "weights/best.pth"])
+def test_weights_of_another_model_name_the_model_they_are_of(tiny_data, resnet18_run, tmp_path, run_main, weights):
+    result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--weights", resnet18_run / weights,
+                      "--model", "resnet34", "--output-dir", tmp_path / "run", *RUN_FLAGS)  # fmt: skip
+    assert_user_error(
+        result,
+        f"weights file {resnet18_run / weights} holds resnet18's weights (run flags file "
+        f"{resnet18_run / 'args.json'} says --model resnet18), which do not fit resnet34 (--model): train resnet18",
+    )
+
+
+@pytest.mark.fast
+def test_weights_that_cannot_be_read_are_said_so_whatever_model_their_run_was(tiny_data, resnet18_run, run_main):
+    for weights, fragment in [("weights/typo.pth", "does not exist"), ("args.json", "is not a PyTorch file")]:
+        result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--weights", resnet18_run / weights,
+                          "--model", "resnet34", *RUN_FLAGS)  # fmt: skip
+        assert_user_error(result, f"weights file {resnet18_run / weights} {fragment}")
+
+
+@pytest.mark.fast
+def test_predicting_as_another_model_names_the_weights_and_their_model(tiny_data, resnet18_run, tmp_path, run_main):
+    image = next((tiny_data / "daisy").glob("*.jpg"))
+    best = resnet18_run / "weights" / "best.pth"
+    result = run_main("predict.py", image, "--model", "resnet34", "--weights", best)
+    assert_user_error(
+        result,
+        f"weights file {best} holds resnet18's weights (run flags file {resnet18_run / 'args.json'} says --model "
+        "resnet18), which do not fit resnet34 (--model): leave out --model (the run's resnet18 is used)",
+    )
+    alone = tmp_path / "best.pth"  # with no run's args.json beside them: their model is not known
+    shutil.copy(best, alone)
+    shutil.copy(resnet18_run / "class_indices.json", tmp_path)
+    result = run_main("predict.py", image, "--model", "resnet34", "--weights", alone)
+    assert_user_error(result, f"weights file {alone} does not fit resnet34: ")
+    assert "resnet34 is --model" in result.stderr
 
 
 def test_an_output_folder_that_cannot_be_written_is_one_line_and_exit_2(tiny_data, tmp_path, run_main):

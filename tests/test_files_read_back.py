@@ -10,7 +10,9 @@ import contextlib
 import functools
 import io
 import json
+import struct
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,11 +24,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import evaluate
 from dataset.demo import make_demo_data
 from dataset.folders import read_split_data, split_fingerprint, write_class_indices
-from dataset.image_check import CHECKED_IMAGES, ImageCheck
+from dataset.image_check import CHECK_LOCK, CHECKED_IMAGES, ImageCheck, read_verdicts
 from model import create_model
-from multi_train_utils.checkpoint import save_atomically, training_state
+from multi_train_utils.checkpoint import load_checkpoint, save_atomically, training_state
 from multi_train_utils.stop_and_resume import resume_from
 from multi_train_utils.train_eval_utils import Training
 from recipe.config import Config
@@ -35,8 +38,9 @@ from run import autotune
 from run.autotune import Choice, cached_or_measured, read_entries
 from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before
 from run.plan import RUN_LOCK, hold_run_folder, prepare
+from run.tracking import TRACKED_RUN_NAME, read_tracked_run
 from run.trained import load_trained_model
-from utils import UserError, write_json
+from utils import UserError, safe_load, write_json
 
 pytestmark = pytest.mark.fast
 CPU = torch.device("cpu")
@@ -89,6 +93,45 @@ def damaged(original: bytes, content=None):
 
 def flip_byte(data: bytes, at: int, bits: int) -> bytes:
     return data[:at] + bytes([data[at] ^ bits]) + data[at + 1 :]
+
+
+def tensor_data(original: bytes) -> list[range]:
+    """Where the tensors' bytes lie in a file torch.save wrote: the data of its zip records archive/data/N."""
+    spans = []
+    with zipfile.ZipFile(io.BytesIO(original)) as archive:
+        for record in archive.infolist():
+            if "/data/" in record.filename and record.file_size:
+                name_length, extra_length = struct.unpack("<HH", original[record.header_offset + 26 :][:4])
+                start = record.header_offset + 30 + name_length + extra_length  # after the record's local header
+                spans.append(range(start, start + record.file_size))
+    return spans
+
+
+def flipped(original: bytes):
+    """A file torch.save wrote with one byte flipped: half the time inside a tensor's bytes, else anywhere."""
+    inside = st.sampled_from(tensor_data(original)).flatmap(lambda span: st.integers(span.start, span.stop - 1))
+    at = st.one_of(inside, st.integers(0, len(original) - 1))
+    return st.tuples(at, st.integers(1, 255)).map(lambda flip: Damage("flipped", flip_byte(original, *flip), flip[0]))
+
+
+def saved_bytes(state) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def same(loaded, saved) -> bool:
+    """Whether `loaded` holds exactly what `saved` does: the same tensors (dtype, shape and every bit), the same
+    plain values, in the same containers."""
+    if isinstance(saved, torch.Tensor):
+        return isinstance(loaded, torch.Tensor) and loaded.dtype == saved.dtype and torch.equal(loaded, saved)
+    if isinstance(saved, dict):
+        return (
+            isinstance(loaded, dict) and loaded.keys() == saved.keys() and all(same(loaded[k], saved[k]) for k in saved)
+        )
+    if isinstance(saved, list | tuple):
+        return type(loaded) is type(saved) and len(loaded) == len(saved) and all(map(same, loaded, saved))
+    return type(loaded) is type(saved) and loaded == saved
 
 
 def cut_inside_json(damage: Damage, original: bytes) -> bool:
@@ -188,6 +231,56 @@ def test_a_damaged_image_check_cache_is_checked_again_with_one_warning_and_repla
         assert warnings_of(lambda: again(images)) == ([], []) and again.decoded == 0  # replaced by a good file
 
 
+def test_evaluate_checks_a_damaged_image_check_cache_again_warns_once_and_replaces_it(image_check_file, tmp_path):
+    original, root, images = image_check_file
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CHECKED_IMAGES).write_bytes(original[: len(original) // 2])
+    trained = SimpleNamespace(run_folder=run, classes=sorted(path.name for path in root.iterdir()))
+    trained.setting = lambda name, given: given
+    args = SimpleNamespace(data_path=root, val_rate=0.5, seed=0, output_dir=tmp_path / "eval", all=False)
+    args.weights = run / "weights" / "best.pth"
+    warnings = warnings_of(lambda: evaluate.plan(args, trained))[1]
+    assert len(warnings) == 1 and CHECKED_IMAGES in warnings[0]
+    assert read_verdicts(run) == json.loads(original)["images"]  # replaced, as a training run replaces it
+    assert warnings_of(lambda: evaluate.plan(args, trained))[1] == []
+    (run / CHECKED_IMAGES).unlink()  # weights beside no image check: evaluate.py makes none
+    assert warnings_of(lambda: evaluate.plan(args, trained))[1] == [] and not (run / CHECKED_IMAGES).exists()
+
+
+def test_an_image_check_lock_that_is_a_folder_is_refused_naming_it(image_check_file, tmp_path):
+    _, root, images = image_check_file
+    (tmp_path / CHECK_LOCK).mkdir()
+    with pytest.raises(UserError, match=f"{CHECK_LOCK}: Is a directory .*: remove it and run again"):
+        ImageCheck(root, tmp_path, shared=True)(images)  # as torchrun's ranks check the images, sharing the check
+
+
+TRACKED_RUN = {"tracking_uri": "http://127.0.0.1:5000", "run_id": "3f2a9c6d0b1e4f5a8c7d6e5f4a3b2c1d"}
+
+
+@pytest.fixture(scope="module")
+def tracked_run_file(tmp_path_factory):
+    """A tracked_run.json as a tracked run's start writes it."""
+    path = tmp_path_factory.mktemp("tracked") / TRACKED_RUN_NAME
+    write_json(path, TRACKED_RUN)
+    return path.read_bytes()
+
+
+@given(data=st.data())
+@EXAMPLES
+def test_a_damaged_tracked_run_file_is_one_warning_and_a_new_tracked_run(tracked_run_file, data):
+    damage = data.draw(damaged(tracked_run_file, TRACKED_RUN))
+    with damaged_copy(TRACKED_RUN_NAME, damage) as folder:
+        entry, warnings = warnings_of(lambda: read_tracked_run(folder))
+        if entry is None:
+            assert len(warnings) == 1 and TRACKED_RUN_NAME in warnings[0] and "tracking as a new run" in warnings[0]
+        else:  # damage that leaves a run id (the tracker's address changed, say): that run is continued
+            assert warnings == [] and isinstance(entry["run_id"], str)
+        if cut_inside_json(damage, tracked_run_file):
+            assert entry is None
+        assert (folder / TRACKED_RUN_NAME).read_bytes() == damage.data
+
+
 # A run's record: refused in one line naming the file, and nothing rewritten
 
 
@@ -224,8 +317,77 @@ def test_a_damaged_checkpoint_is_refused_naming_it(checkpoint_state, data):
         refused = assert_refused_naming(
             lambda: warnings_of(lambda: resume(folder / "checkpoint.pth")), "checkpoint.pth"
         )
-        assert refused or damage.how == "flipped"  # a flip inside a tensor's bytes reads as another number
+        assert refused or damage.how == "flipped"  # outside every record's CRC-32: the same tensors (below)
         assert (folder / "checkpoint.pth").read_bytes() == damage.data
+
+
+@given(data=st.data())
+@EXAMPLES
+def test_a_checkpoint_with_a_byte_flipped_is_refused_or_loads_the_saved_tensors(checkpoint_state, data):
+    original = saved_bytes(checkpoint_state)
+    damage = data.draw(flipped(original))
+    with damaged_copy("checkpoint.pth", damage) as folder:
+        loaded = []
+        refused = assert_refused_naming(
+            lambda: loaded.append(load_checkpoint(folder / "checkpoint.pth")), "checkpoint.pth"
+        )
+        assert refused or same(loaded[0], checkpoint_state)  # a flip that no record's CRC-32 covers changes nothing
+        assert (folder / "checkpoint.pth").read_bytes() == damage.data
+
+
+def test_a_byte_flipped_in_a_tensors_data_is_refused_naming_the_file_and_its_record(checkpoint_state, tmp_path):
+    original = saved_bytes(checkpoint_state)
+    span = tensor_data(original)[0]
+    (tmp_path / "checkpoint.pth").write_bytes(flip_byte(original, (span.start + span.stop) // 2, 0x01))
+    refusal = r"checkpoint .*checkpoint.pth is damaged \(its record 'archive/data/0' fails .*CRC.*\): restore it"
+    with pytest.raises(UserError, match=refusal):
+        load_checkpoint(tmp_path / "checkpoint.pth")
+
+
+def test_a_tensors_record_marked_as_a_folder_is_refused(checkpoint_state, tmp_path):
+    # A bit of the record's entry in the zip directory, which no CRC-32 covers: torch.load reads a record marked as
+    # a folder as no bytes, and leaves its tensor holding whatever memory it was given.
+    original = saved_bytes(checkpoint_state)
+    with zipfile.ZipFile(io.BytesIO(original)) as archive:
+        entry = original.index(b"PK\x01\x02", archive.start_dir)  # archive/data/0's entry in the directory
+        while not original[entry + 46 :].startswith(b"archive/data/0"):
+            entry = original.index(b"PK\x01\x02", entry + 1)
+    (tmp_path / "checkpoint.pth").write_bytes(flip_byte(original, entry + 38, 0x10))  # its MS-DOS folder bit
+    with pytest.raises(UserError, match=r"checkpoint.pth is damaged \(its record 'archive/data/0' is marked as a"):
+        load_checkpoint(tmp_path / "checkpoint.pth")
+
+
+@pytest.mark.parametrize("written", ["without CRCs", "in the format before torch 1.6"])
+def test_a_file_without_crcs_loads_as_saved(checkpoint_state, tmp_path, written):
+    path = tmp_path / "checkpoint.pth"
+    if written == "without CRCs":
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(checkpoint_state, path)
+        finally:
+            torch.serialization.set_crc32_options(True)
+        assert {record.CRC for record in zipfile.ZipFile(path).infolist()} == {0}
+    else:
+        torch.save(checkpoint_state, path, _use_new_zipfile_serialization=False)
+    assert same(load_checkpoint(path), checkpoint_state)
+
+
+@pytest.mark.parametrize(
+    "content, kind",
+    [
+        (b"not weights\n", "a text file, beginning 'not weights"),
+        (b"\xff\xd8\xff\xe0\x00\x10JFIF\x00", "a JPEG image"),
+        (b"", "it is empty"),
+        (b"\x10\x00\x00\x00\x00\x00\x00\x00{}      ", "a safetensors file"),
+    ],
+    ids=["text", "jpeg", "empty", "safetensors"],
+)
+def test_a_file_that_is_no_pytorch_file_is_named_as_such(tmp_path, content, kind):
+    (tmp_path / "w.pth").write_bytes(content)
+    with pytest.raises(UserError) as refusal:
+        safe_load(tmp_path / "w.pth", "weights file")
+    assert str(refusal.value).startswith(f"weights file {tmp_path / 'w.pth'} is not a PyTorch file ({kind}")
+    assert "safe loader" not in str(refusal.value)
 
 
 @given(data=st.data())
@@ -326,12 +488,14 @@ def test_a_damaged_run_flags_file_is_refused_naming_it(run_folder, data):
 
 @given(data=st.data())
 @SLOW_EXAMPLES
-def test_a_damaged_weights_file_is_refused_naming_it(run_folder, data):
+def test_a_damaged_weights_file_is_refused_naming_it_or_loads_the_saved_tensors(run_folder, data):
     original = (run_folder / "weights" / "best.pth").read_bytes()
-    damage = data.draw(damaged(original))
+    damage = data.draw(damaged(original) | flipped(original))
     with run_with(run_folder, "weights/best.pth", damage) as folder:
-        refused = assert_refused_naming(lambda: predict_from(folder), "best.pth")
-        assert refused or damage.how == "flipped"  # a flip inside a tensor's bytes reads as another number
+        trained = []
+        refused = assert_refused_naming(lambda: trained.append(predict_from(folder)), "best.pth")
+        saved = torch.load(io.BytesIO(original), weights_only=True)
+        assert refused or same(trained[0].model.state_dict(), saved)  # a flip no record's CRC-32 covers: no change
 
 
 @pytest.mark.parametrize("damage", [b'{"epoch": 0, "train_loss": 1.5}\n{"epo', b"\x00\xff", b"[1, 2]\n"])
