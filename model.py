@@ -120,11 +120,22 @@ def head_names(name: str = DEFAULT_MODEL) -> frozenset[str]:
 @functools.cache
 def random_draws(name: str = DEFAULT_MODEL) -> tuple[str, ...]:
     """What the model draws at random in its forward pass while training (its dropout and stochastic depth
-    layers, by class name: torch's and torchvision's keep the rate in `p`, timm's DropPath in `drop_prob`), found
-    by building it without memory: () for a network whose steps are a function of its weights and batch alone."""
+    layers, by class name: torch's and torchvision's keep the rate in `p`, timm's DropPath in `drop_prob`, and
+    timm's models and heads that call dropout as a function in `drop_rate`), found by building it without memory:
+    () for a network whose steps are a function of its weights and batch alone."""
+    rates = ("p", "drop_prob", "drop_rate")
     layers = model_skeleton(name).modules()
-    drawing = {type(layer).__name__ for layer in layers if (getattr(layer, "p", 0) or getattr(layer, "drop_prob", 0))}
+    drawing = {type(layer).__name__ for layer in layers if any(getattr(layer, rate, 0) for rate in rates)}
     return tuple(sorted(drawing))
+
+
+@functools.cache
+def batch_statistics(name: str = DEFAULT_MODEL) -> tuple[str, ...]:
+    """The model's layers that normalise by the statistics of the images of a forward pass (BatchNorm, timm's
+    BatchNormAct2d, ...), by class name: () for a network whose steps do not depend on how a batch is split."""
+    return tuple(
+        sorted({type(layer).__name__ for layer in model_skeleton(name).modules() if isinstance(layer, _BatchNorm)})
+    )
 
 
 def weights_file(spec: str | os.PathLike, name: str = DEFAULT_MODEL) -> Path:

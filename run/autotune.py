@@ -47,6 +47,7 @@ from multi_train_utils.distributed_utils import broadcast_object, get_world_size
 from multi_train_utils.memory import OutOfMemory, largest_that_fits, memory_limited, pass_fits
 from recipe.loss import Objective
 from recipe.precision import AMP_DTYPES, Compute, amp_flag, choose_compute, short_name, summary
+from run.plan import note_inexact_resume
 from utils import NUMBER, OutputError, UserError, misfits, read_json, warn, write_json
 
 # Where the choices are kept (a file path), instead of the user's cache folder: for tests, or a shared disk.
@@ -97,7 +98,9 @@ def tune(config, plan, device: torch.device, processes_here: int, train_set) -> 
         workers = use_cores(device, processes_here, config.batch_size, config.workers)
         compute, line = choose_compute(config.amp, config.channels_last, device)
         print_once(line)
-        return workers, replace(compute, micro_batch=given_micro_batch(config))
+        compute = replace(compute, micro_batch=given_micro_batch(config))
+        note_inexact_resume(config, plan.saved, get_world_size(), compute.micro_batch)
+        return workers, compute
     threads = share_cores(device, processes_here, config)
     choice = cached_or_measured(config, plan, device, processes_here, train_set) if is_main_process() else None
     choice = broadcast_object(choice)  # DDP: every rank trains as rank 0 chose; the others waited here
@@ -107,6 +110,7 @@ def tune(config, plan, device: torch.device, processes_here: int, train_set) -> 
     for line in choice.lines:
         print_once(line)
     print_once(summary(choice.compute, *reasons(config, device)))
+    note_inexact_resume(config, plan.saved, get_world_size(), choice.compute.micro_batch)
     return workers, choice.compute  # with the micro-batch measured, remembered or given (the cache key holds it)
 
 

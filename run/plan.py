@@ -14,7 +14,7 @@ from filelock import BaseFileLock, FileLock, Timeout
 from dataset.demo import DEMO_DATA_PATH, make_demo_data
 from dataset.folders import DataSplit, read_split_data, split_fingerprint
 from dataset.image_check import ImageCheck
-from model import create_model, load_weights, random_draws, read_state_dict, weights_file
+from model import batch_statistics, create_model, load_weights, random_draws, read_state_dict, weights_file
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from multi_train_utils.distributed_utils import check_backend, launcher_environment
 from recipe.config import Config, admitted
@@ -35,6 +35,7 @@ class Plan:
     resume: Path | None = None
     given: dict = field(default_factory=dict)  # the run's --batch-size and --lr, for `recipe_world_size` processes
     tracked_run: dict | None = None  # the resumed checkpoint's "tracked_run" (run/tracking.py), if it has one
+    saved: dict | None = None  # the resumed checkpoint's record of its run (run_record), None for a new run
 
 
 def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
@@ -79,7 +80,7 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     if first_rank():
         check.save(output_dir)  # the images' verdicts, for the next start of this run (a restart, a resume)
     tracked_run = saved.get("tracked_run") if saved else None
-    return config, Plan(Path(data_path), split, output_dir, weights, resume, given, tracked_run)
+    return config, Plan(Path(data_path), split, output_dir, weights, resume, given, tracked_run, saved)
 
 
 def check_split(config: Config, split: DataSplit, data_path: Path, world_size: int) -> None:
@@ -223,14 +224,32 @@ def per_process_recipe(config: Config, saved: dict | None, world_size: int, chec
             f"per process (the run's --batch-size {config.batch_size}, --lr {config.lr:g}), the same "
             f"{images * config.accumulate} images and rate a step"
         )
-        draws = random_draws(config.model)  # drawn per process, for its share of the batch: not the same draws
-        if draws:
-            print(
-                f"note: {config.model}'s {' and '.join(draws)} draw for each process's share of "
-                f"a batch: on {world_size} process(es) other masks than on the run's {recipe_world_size}, so this run "
-                "keeps the recipe, not the uninterrupted run's exact weights (docs/resuming-and-failures.md)"
-            )
     return replace(config, batch_size=batch, lr=lr), given
+
+
+def note_inexact_resume(config: Config, saved: dict | None, world_size: int, micro_batch: int | None) -> None:
+    """Say so when a resume cannot take the uninterrupted run's exact steps, though it keeps the recipe: when
+    the images of one forward pass differ from the run's before (another number of processes, another
+    micro-batch: `micro_batch`, None for the whole batch) and the model has layers that compute per pass: dropout
+    and stochastic depth draw a mask per process and pass, BatchNorm takes the statistics of a pass's images (of
+    the passes at the same position on every process, with --sync-bn). `config` is the per-process recipe
+    (per_process_recipe's), `saved` the checkpoint's record (None for a new run)."""
+    if saved is None:
+        return
+    saved_world = saved["world_size"]
+    saved_batch = saved["batch_size"] * saved["recipe_world_size"] // saved_world  # per process, as it trained
+    before, now = (saved.get("micro_batch") or saved_batch, saved_world), (micro_batch or config.batch_size, world_size)
+    normalised = lambda images, processes: images * (processes if config.sync_bn else 1)  # noqa: E731
+    layers = random_draws(config.model) if before != now else ()
+    if normalised(*before) != normalised(*now):
+        layers += batch_statistics(config.model)
+    if layers and first_rank():
+        print(
+            f"note: {config.model}'s {' and '.join(layers)} layers compute per forward pass, which now takes {now[0]} "
+            f"images on each of {now[1]} process(es), {before[0]} on each of {before[1]} before: this run keeps the "
+            "recipe, not the uninterrupted run's exact weights (docs/resuming-and-failures.md)",
+            flush=True,
+        )
 
 
 def check_same_recipe(checkpoint: Path, saved: dict, config: Config) -> None:

@@ -44,8 +44,11 @@ FAULTS = ROOT / "tests" / "fault_injection"
 REFERENCE_FLAGS = ("--epochs", "4", "--seed", "0", *FAST)
 # A run stopped after its first of 2 epochs (stopped_run); a test resuming it gives the same flags.
 STOPPED_FLAGS = ("--epochs", "2", *FAST)
-# Two DDP epochs in float32 on any CPU (--amp off: bfloat16 where native would make runs differ between machines).
-DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST, "--amp", "off")
+# Two DDP epochs in float32 on any CPU (--amp off: bfloat16 where native would make runs differ between machines), of
+# a network that draws at random (MobileNetV3-Small's dropout): the DDP runs' comparisons (torchrun against spawn,
+# two nodes against one, stopped by a real signal and resumed) then hold for each rank's own draws too.
+DDP_MODEL = "mobilenet_v3_small"
+DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST, "--amp", "off", "--model", DDP_MODEL)
 
 
 def fault_env(fault: str | None = None) -> dict:

@@ -29,7 +29,7 @@ NOT_LOADED = None  # the training set tune times loading on: these tests give --
 @pytest.fixture
 def plan(tmp_path):
     """The part of a Plan that tune reads: the classes (for the model's head) and the data folder."""
-    return SimpleNamespace(split=SimpleNamespace(classes=list("abcde")), data_path=tmp_path / "data")
+    return SimpleNamespace(split=SimpleNamespace(classes=list("abcde")), data_path=tmp_path / "data", saved=None)
 
 
 @pytest.fixture
@@ -250,7 +250,7 @@ def _tune_in_rank(rank, world_size, cache, results):
     with_bfloat16(lambda owner, name, value: setattr(owner, name, value))
     for cap in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         os.environ.pop(cap, None)
-    plan = SimpleNamespace(split=SimpleNamespace(classes=list("abcde")), data_path=cache.parent)
+    plan = SimpleNamespace(split=SimpleNamespace(classes=list("abcde")), data_path=cache.parent, saved=None)
     workers, compute = tune(AUTO, plan, CPU, world_size, NOT_LOADED)
     (results / str(rank)).write_text(json.dumps([short_name(compute), workers, timed]))
 

@@ -1,16 +1,18 @@
 """The exact resume across the cases it promises: networks that draw random numbers in their forward pass
-(dropout: MobileNetV3; stochastic depth and dropout: EfficientNet), loader workers 0, 1 and 2, persistent or not,
-and every recipe switch that draws random numbers (mixup, cutmix, random erasing, TrivialAugment), stopped by a
-signal within an epoch or crashed at an epoch's start (the checkpoint of the last epoch, as after kill -9): the
-resumed run ends bitwise as the uninterrupted one, its weights and every epoch's metrics.
+(dropout: MobileNetV3; stochastic depth and dropout: EfficientNet) and timm's models, loader workers 0, 1 and 2,
+persistent or not, and every recipe switch that draws random numbers (mixup, cutmix, random erasing,
+TrivialAugment), stopped by a signal within an epoch or crashed at an epoch's start (the checkpoint of the last
+epoch, as after kill -9): the resumed run ends bitwise as the uninterrupted one, its weights and every epoch's
+metrics.
 
 The runs are the scripts' own mains, called in this process (a run of these tiny networks takes a second or two;
 an interpreter importing torch anew would take longer). A stop is the scripts' own: a signal noted at a step, as
-the handler notes SIGTERM (test_preemption.py sends real signals to real processes, for ResNet-18, under torchrun
-and spawn; test_failures.py kills one with SIGKILL)."""
+the handler notes SIGTERM (test_preemption.py sends real signals to real processes: ResNet-18 in one process,
+MobileNetV3-Small on two ranks under torchrun and spawn; test_failures.py kills one with SIGKILL)."""
 
 import importlib
 import signal
+import types
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ from conftest import FAST, PINNED_COMPUTE, final_weights, metrics_without_timing
 from multi_train_utils import stop_and_resume
 from multi_train_utils.checkpoint import load_checkpoint
 from recipe.config import Config
-from run.plan import per_process_recipe
+from run.autotune import tune
+from run.plan import note_inexact_resume, per_process_recipe
 
 # Epoch 0 stopped at its 3rd step of 6, or a crash at the start of epoch 1; 2 epochs in all.
 STOP, CRASH = ("stop", 0, 2), ("crash", 1)
@@ -41,6 +44,9 @@ MATRIX = [
     ("train_single_gpu", "mobilenet_v3_small", (), [(0, True, STOP), (2, True, STOP), (1, False, CRASH)]),
     ("train_single_gpu", "efficientnet_b0", SWITCHES, [(0, True, STOP), (2, False, CRASH)]),
     ("train_multi_gpu_using_launch", "efficientnet_b0", SWITCHES, [(1, True, STOP)]),  # DDP, a group of one
+    # timm's models, with timm's own layers (BatchNormAct2d, its initialisation): timm/NAME builds them without
+    # dropout or drop path (timm's defaults), so here the recipe's switches alone draw
+    ("train_single_gpu", "timm/test_efficientnet", SWITCHES, [(1, True, STOP), (0, False, CRASH)]),
 ]
 
 
@@ -111,15 +117,47 @@ def test_every_interrupted_run_resumes_to_the_uninterrupted_runs_weights_and_met
         assert metrics_without_timings(out) == expected_metrics
 
 
-@pytest.mark.parametrize("network, draws", [("resnet18", ()), ("mobilenet_v3_small", ("Dropout",))])
-def test_a_resume_on_another_number_of_processes_says_where_random_draws_make_it_inexact(capsys, network, draws):
-    # Dropout's masks are drawn for each process's share of a batch: two processes' two masks of 4 images are not
-    # one process's mask of 8. The recipe holds (per_process_recipe); exactness cannot, and the run says so.
-    config = Config(model=network, batch_size=4, lr=0.1)
-    resized, _ = per_process_recipe(config, {"world_size": 2, "recipe_world_size": 2}, 1, "run/checkpoint.pth")
-    assert (resized.batch_size, resized.lr) == (8, 0.2)
-    said = capsys.readouterr().out
-    assert ("note: mobilenet_v3_small's Dropout draw for each process's share" in said) == bool(draws), said
-    # the same number of processes: exact, and nothing said
-    per_process_recipe(config, {"world_size": 1, "recipe_world_size": 1}, 1, "run/checkpoint.pth")
-    assert "note:" not in capsys.readouterr().out
+# (network, --sync-bn, the run's (micro-batch or None, processes), the resume's, the layers the note names): the
+# images of a forward pass change with the number of processes and with --micro-batch; dropout draws a mask per
+# process and pass, BatchNorm takes a pass's statistics (with --sync-bn, of the passes of every process together)
+RESUMES = [
+    ("resnet18", True, (None, 2), (None, 1), ()),  # SyncBatchNorm over the same 8 images: exact (test_equivalence)
+    ("resnet18", False, (None, 2), (None, 1), ("BatchNorm2d",)),  # each process's 4 images, now 8
+    ("mobilenet_v3_small", True, (None, 2), (None, 1), ("Dropout",)),  # masks for 4 images, now for 8
+    ("mobilenet_v3_small", True, (None, 1), (None, 1), ()),  # nothing changed
+    ("resnet18", True, (4, 1), (None, 1), ("BatchNorm2d",)),  # micro-batches of 4, now the whole batch of 8
+    ("mobilenet_v3_small", True, (None, 1), (2, 1), ("Dropout", "BatchNorm2d")),
+    ("vit_b_16", True, (None, 1), (2, 1), ()),  # LayerNorm normalises each image alone, and its dropout is off
+]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("network, sync_bn, before, now, layers", RESUMES)
+def test_a_resume_says_when_another_forward_pass_makes_it_inexact(capsys, network, sync_bn, before, now, layers):
+    # The recipe holds (per_process_recipe: the same global batch and rate); exactness cannot, and the run says so.
+    config = Config(model=network, batch_size=8 // before[1], lr=0.1, sync_bn=sync_bn)
+    saved = {"batch_size": config.batch_size, "micro_batch": before[0]} | {"world_size": before[1]}
+    resized, _ = per_process_recipe(config, saved | {"recipe_world_size": before[1]}, now[1], "run/checkpoint.pth")
+    assert resized.batch_size * now[1] == 8 and resized.lr * now[1] == 0.1 * before[1]
+    note_inexact_resume(resized, saved | {"recipe_world_size": before[1]}, now[1], now[0])
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    if not layers:
+        assert not said
+    else:
+        assert said == [
+            f"note: {network}'s {' and '.join(layers)} layers compute per forward pass, which now takes "
+            f"{now[0] or 8 // now[1]} images on each of {now[1]} process(es), {before[0] or 8 // before[1]} on each "
+            f"of {before[1]} before: this run keeps the recipe, not the uninterrupted run's exact weights "
+            "(docs/resuming-and-failures.md)"
+        ]
+
+
+@pytest.mark.fast
+def test_a_resume_with_another_micro_batch_says_so_as_it_decides_how_to_compute(capsys, monkeypatch):
+    # tune (run/autotune.py) decides the micro-batch, given or measured; then the run says what it changes
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # this test process's threads stay
+    config = Config(model="resnet18", batch_size=8, lr=0.1, amp="off", channels_last=False, workers=0, micro_batch=4)
+    saved = {"batch_size": 8, "micro_batch": None, "world_size": 1, "recipe_world_size": 1}
+    _, compute = tune(config, types.SimpleNamespace(saved=saved), torch.device("cpu"), 1, train_set=None)
+    assert compute.micro_batch == 4
+    assert "note: resnet18's BatchNorm2d layers compute per forward pass, which now takes 4" in capsys.readouterr().out

@@ -203,3 +203,14 @@ def qualified_missing(text: str, modules: tuple[str, ...]) -> list[str]:
 def test_every_file_test_flag_and_qualified_name_a_comment_names_exists(path):
     missing = sorted({name for text in comments_and_docstrings(path) for name in missing_in_comment(text, path)})
     assert not missing, f"{path.relative_to(ROOT)}'s comments name what does not exist: {missing}"
+
+
+def test_every_break_of_break_guarantees_names_text_that_is_there_once_and_a_test_that_exists():
+    # a break whose text has moved on would stop the script ("update this script"), found only when it is run
+    sys.path.insert(0, str(ROOT / "tests"))
+    import break_guarantees
+
+    for name, path, text, _, test in break_guarantees.BREAKS:
+        assert (ROOT / path).read_text().count(text) == 1, f"break {name}: its text is not in {path} exactly once"
+        file, _, function = test.partition("::")
+        assert f"def {function.split('[')[0]}(" in (ROOT / file).read_text(), f"break {name}: no test {test}"
