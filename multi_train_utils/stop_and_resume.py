@@ -13,7 +13,9 @@ batches trained already (`Midway`); each step draws from a seed of its own (Epoc
 steps it trains draw what they would have drawn.
 """
 
+import atexit
 import contextlib
+import multiprocessing
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +108,18 @@ def ignore_stop_signals(worker_id: int | None = None) -> None:
     once, and the training process would fail on its next batch instead of saving the step."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+@atexit.register  # after multiprocessing's own exit handler, so that it runs first (atexit runs the last first)
+def end_loader_processes() -> None:
+    """At exit, end this process's loader processes that are still running (a loader's persistent workers whose
+    loader was never shut down, as when a stop signal ends the run) with SIGKILL. multiprocessing's own exit handler
+    would end them with SIGTERM, which they ignore (ignore_stop_signals), and then wait for them for ever: on torch
+    2.11 a run stopped by SIGTERM with persistent loader workers saved its step and never exited."""
+    for child in multiprocessing.active_children():
+        if child.daemon:  # a DataLoader's workers are; the spawn script's training processes are not
+            child.kill()
+            child.join()
 
 
 @contextlib.contextmanager

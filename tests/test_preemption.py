@@ -3,12 +3,15 @@ training step every rank agrees on, saved with a second signal arriving while it
 ends bitwise as the uninterrupted one: in one process, under torchrun and under the spawn script."""
 
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 from conftest import (
     DDP_FLAGS,
     REFERENCE_FLAGS,
+    ROOT,
     fault_env,
     final_weights,
     metrics_without_timings,
@@ -72,3 +75,19 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_resumed_ru
     expected, weights = final_weights(reference), final_weights(tmp_path / "run")
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
     assert metrics_without_timings(tmp_path / "run") == metrics_without_timings(reference)
+
+
+def test_a_process_whose_loader_workers_were_never_shut_down_exits_at_once(tmp_path):
+    # A stop signal ends a run with its persistent loader workers still running (the loader is never shut down).
+    # They ignore SIGTERM (ignore_stop_signals), which is how multiprocessing ends them at exit: without
+    # stop_and_resume.end_loader_processes the process would wait for them for ever (it did on torch 2.11).
+    program = (
+        "from torch.utils.data import DataLoader\n"
+        "from multi_train_utils.stop_and_resume import ignore_stop_signals\n"
+        "loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, persistent_workers=True,\n"
+        "                    worker_init_fn=ignore_stop_signals)\n"
+        "batches = iter(loader)\n"
+        "next(batches)  # the workers run, and this reference keeps them until the interpreter ends\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
