@@ -124,18 +124,19 @@ def random_draws(name: str = DEFAULT_MODEL) -> tuple[str, ...]:
     timm's models and heads that call dropout as a function in `drop_rate`), found by building it without memory:
     () for a network whose steps are a function of its weights and batch alone."""
     rates = ("p", "drop_prob", "drop_rate")
-    layers = model_skeleton(name).modules()
-    drawing = {type(layer).__name__ for layer in layers if any(getattr(layer, rate, 0) for rate in rates)}
-    return tuple(sorted(drawing))
+    return layer_kinds(name, lambda layer: any(getattr(layer, rate, 0) for rate in rates))
 
 
 @functools.cache
 def batch_statistics(name: str = DEFAULT_MODEL) -> tuple[str, ...]:
     """The model's layers that normalise by the statistics of the images of a forward pass (BatchNorm, timm's
     BatchNormAct2d, ...), by class name: () for a network whose steps do not depend on how a batch is split."""
-    return tuple(
-        sorted({type(layer).__name__ for layer in model_skeleton(name).modules() if isinstance(layer, _BatchNorm)})
-    )
+    return layer_kinds(name, lambda layer: isinstance(layer, _BatchNorm))
+
+
+def layer_kinds(name: str, which) -> tuple[str, ...]:
+    """The class names of the layers of model `name` for which `which(layer)` is true, built without memory."""
+    return tuple(sorted({type(layer).__name__ for layer in model_skeleton(name).modules() if which(layer)}))
 
 
 def weights_file(spec: str | os.PathLike, name: str = DEFAULT_MODEL) -> Path:

@@ -34,8 +34,12 @@ class Plan:
     weights: Path | None = None
     resume: Path | None = None
     given: dict = field(default_factory=dict)  # the run's --batch-size and --lr, for `recipe_world_size` processes
-    tracked_run: dict | None = None  # the resumed checkpoint's "tracked_run" (run/tracking.py), if it has one
     saved: dict | None = None  # the resumed checkpoint's record of its run (run_record), None for a new run
+
+    @property
+    def tracked_run(self) -> dict | None:
+        """The resumed checkpoint's "tracked_run" (run/tracking.py), if it has one."""
+        return self.saved.get("tracked_run") if self.saved else None
 
 
 def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
@@ -79,8 +83,7 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
         read_metrics(output_dir / METRICS_NAME)  # a damaged record of the epochs refuses the resume before any write
     if first_rank():
         check.save(output_dir)  # the images' verdicts, for the next start of this run (a restart, a resume)
-    tracked_run = saved.get("tracked_run") if saved else None
-    return config, Plan(Path(data_path), split, output_dir, weights, resume, given, tracked_run, saved)
+    return config, Plan(Path(data_path), split, output_dir, weights, resume, given, saved)
 
 
 def check_split(config: Config, split: DataSplit, data_path: Path, world_size: int) -> None:
