@@ -60,15 +60,17 @@ class _GlobalBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, mean, var, total = ctx.saved_tensors
-        # This process's sum(dy * x_hat) and sum(dy), per channel, in one fused pass.
+        invstd = torch.rsqrt(var + ctx.eps)
+        # This process's sum(dy * x_hat) and sum(dy), per channel, in one fused pass. The statistics go in as the
+        # training pass's saved mean and inverse std (train=True): GPUs' kernel requires them there, and fails an
+        # internal assertion when they are left out, as the CPU's does not (tests/fake_cuda.py checks it).
         _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            grad_out, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
+            grad_out, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True]
         )
         sums = torch.cat([sum_dy, sum_dy_xhat])
         dist.all_reduce(sums)
         channels = mean.numel()
         mean_dy, mean_dy_xhat = sums[:channels] / total, sums[channels:] / total
-        invstd = torch.rsqrt(var + ctx.eps)
         scale = invstd if weight is None else weight * invstd
         # dx = scale * dy + slope * x + offset, per channel: two fused passes over the activations.
         slope = -scale * invstd * mean_dy_xhat

@@ -111,6 +111,9 @@ BREAKS = [
     ("10h fused SGD's momentum left unset", "recipe/optimizer.py",
      "        for param in params if config.momentum else []:\n", "        for param in []:\n",
      GP + "test_float16_steps_skipped_by_the_scaler_leave_the_fused_sgd_as_torchs_default_sgd_leaves_it"),
+    ("10i SyncBatchNorm's backward without the saved statistics (a GPU asserts them)",
+     "multi_train_utils/sync_batchnorm.py", "weight, None, None, mean, invstd, True, ctx.eps",
+     "weight, mean, var, None, None, False, ctx.eps", NO_WAIT_STEP),
     ("11a every GPU's generator restored", "multi_train_utils/checkpoint.py",
      "    return state[\"epoch\"] + 1, state[\"best_acc\"]\n",
      "    if torch.cuda.is_available() and \"rng\" in state:\n"

@@ -13,6 +13,8 @@ as on a GPU, as fast as Python goes, on any machine. What a real GPU would do di
 - An operation that needs the device's values on the host, `.item()` or a tensor whose size depends on them (a
   boolean mask, nonzero, bincount), fails, as the host would wait for the device there: FakeTensor raises.
 - A CPU tensor mixed into an operation on CUDA tensors fails, as it does on a GPU (FakeTensor's device rules).
+- An operation whose GPU kernel asserts more of its arguments than its meta kernel checks fails as it would there
+  (CUDA_KERNEL_ASSERTS: found on a real GPU, where the meta kernels let them pass).
 - A copy between the host and a GPU is counted in `waits` when it blocks (non_blocking=False): the host waits for
   the device's queue to drain (to the host), or torch waits for the copy to finish (to the device, from memory
   that is not pinned). A copy to the host gives zeros: the values are not known. Copies that do not block are
@@ -74,6 +76,21 @@ for overload, kernel in {
 }.items():
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{overload}", "Meta"):
         MISSING_FAKE_KERNELS.impl(overload, kernel, "Meta")
+
+
+def native_batch_norm_backward_asserts(
+    grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, *rest
+) -> None:
+    """What CUDA's batch_norm_backward asserts of its arguments, and the CPU's and the meta kernel do not: the
+    training pass's saved mean and inverse std are always given (empty tensors where the running statistics stand
+    in for them); None fails an internal assertion there."""
+    for name, value in (("save_mean", save_mean), ("save_invstd", save_invstd)):
+        if value is None:
+            raise RuntimeError(f"{name}->defined() INTERNAL ASSERT FAILED: CUDA's batch_norm_backward needs {name}")
+
+
+# An operation's kernel on a GPU checks more of its arguments than its meta kernel does: those checks, run on the way
+CUDA_KERNEL_ASSERTS = {aten.native_batch_norm_backward.default: native_batch_norm_backward_asserts}
 
 
 class NoDeviceFakeTensorMode(FakeTensorMode):
@@ -173,6 +190,8 @@ class FakeCuda(TorchDispatchMode):
         if not on_gpu and (target is None or target.type != "cuda"):
             with _disable_current_modes():  # host work: real tensors, computed
                 return func(*args, **kwargs)
+        if func in CUDA_KERNEL_ASSERTS:
+            CUDA_KERNEL_ASSERTS[func](*args, **kwargs)
         copy = self.crossing(func, args, kwargs, target)
         if copy is not None:
             direction, non_blocking = copy
