@@ -609,3 +609,23 @@ def test_compile_trains_two_epochs_on_the_gpu_and_saves_plain_weights(tiny_data,
     result = train_single(tiny_data, out, "--device", "cuda", "--compile", "--amp", amp, "--channels-last", timeout=600)
     assert f"(--amp {amp}); memory layout channels_last (--channels-last)" in precision_line(result.stdout)
     assert_trained(out)
+
+
+def test_compile_under_ddp_two_ranks_sharing_one_gpu_over_gloo_trains_and_saves_plain_weights(tiny_data, tmp_path):
+    """--compile in the DDP script: DDP's wrapper compiled around SyncBatchNorm2d (torch.compile splits the graph at
+    DDP's gradient buckets, and breaks it where it cannot trace); two ranks, each LOCAL_RANK 0 of a "node", share the
+    GPU over gloo (see the module's docstring). The graph breaks are counted in each rank's log (TORCH_LOGS) and
+    printed for the record."""
+    out, logs = tmp_path / "run", [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    port, job_id = find_free_port(), f"gpu-{uuid.uuid4().hex[:8]}"
+    amp = "bf16" if bf16_is_native() else "off"
+    env = visible_gpus(1) | {"TORCH_LOGS": "graph_breaks"}
+
+    def start(rank, log):
+        return start_node(rank, port, job_id, tiny_data, out, env, log, "--compile", "--amp", amp, "--channels-last")
+
+    outputs = run_nodes(start, logs, 540)
+    assert_trained(out, world_size=2)
+    breaks = [output.count("Graph break") for output in outputs]
+    print(f"graph breaks logged by rank 0 and rank 1: {breaks}")
+    assert breaks[0] == breaks[1]  # the two ranks trace the same model alike

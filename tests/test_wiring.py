@@ -13,7 +13,10 @@ pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parents[1]
 SINGLE, LAUNCH, SPAWN = "train_single_gpu.py", "train_multi_gpu_using_launch.py", "train_multi_gpu_using_spawn.py"
-COPIES = {"tests/wiring.py": ["loaders", "model_as_trained", "training_as_built"], "tools/benchmark.py": ["_loader"]}
+COPIES = {
+    "tests/wiring.py": ["loaders", "model_as_trained", "training_as_built"],
+    "tools/benchmark.py": ["training_loader", "_profile"],
+}
 # A block copied from a script: the lines between these two comments (the script's name in both)
 BLOCK = re.compile(r"^[ \t]*# statement for statement: (\S+)\n(.*?)^[ \t]*# end of \1\n", re.M | re.S)
 

@@ -13,12 +13,20 @@ their kind (benchmark.json's "kind"; --rows picks kinds, default all):
                  synchronisation inside the loop: the ceiling for this precision and layout. "model only,
                  loss.item() each step": the same, the CPU waiting for each step's loss before it queues the
                  next. "model only, float32 NCHW": the ceiling's loop in float32 and NCHW
+  compile        "model only, torch.compile": the ceiling's step with the model compiled (torch.compile's defaults),
+                 and its compile_seconds: the first step, which compiles, against a step after it
   loop           "train_one_epoch, tensors in memory": the training loop itself, fed one batch of 8-bit images
                  from host memory at every step (normalised on the device, as the loaders' batches are)
   loader         the training loader as the scripts build it (its images decoded once into memory where they fit,
                  as the scripts decide; the row's "decoded" says how), iterated without a model: with 1 worker,
                  and with the workers the scripts use on this device (at least 1); images per second after the
                  first batches, at least --loader-images of them
+  profile        a torch.profiler trace of --profile-steps steps of the real loop (train_one_epoch fed by the
+                 training loader, both built as train_single_gpu.py builds them, in what auto chose), from the start
+                 of its second epoch: profile_trace.json.gz in --output-dir (Perfetto or chrome://tracing opens it),
+                 and its summary (tools/profile_steps.py): the top operations, the seconds the GPU sat idle between
+                 its kernels, the seconds the loop waited for batches; the row's img/s is the traced steps' (the
+                 profiler's own cost included)
   baseline       train_single_gpu.py as the original scripts ran: float32, NCHW, loader workers restarted each epoch
   fixed          train_single_gpu.py in each fixed precision and layout (--fixed: float32 NCHW, the original's;
                  float32 channels_last; bfloat16 in both where the device has its instructions), with the loader
@@ -76,25 +84,40 @@ sys.path.insert(0, str(ROOT))  # the project's modules, for `python tools/benchm
 
 from dataset.demo import make_demo_data  # noqa: E402
 from dataset.folders import read_split_data  # noqa: E402
-from machine import describe_cpu  # noqa: E402
-from model import create_model, initial_model  # noqa: E402
+from machine import describe_cpu, use_cores  # noqa: E402
+from model import create_model, data_parallel_over_gpus, initial_model  # noqa: E402
 from multi_train_utils.distributed_utils import resolve_device, shuffled_batches  # noqa: E402
 from multi_train_utils.stop_and_resume import ignore_stop_signals  # noqa: E402
 from multi_train_utils.train_eval_utils import Training, train_one_epoch  # noqa: E402
 from my_dataset import datasets  # noqa: E402
 from plot_results import plot_benchmark  # noqa: E402
 from recipe.config import DEMO_DEFAULTS, SINGLE, Config, parse_config  # noqa: E402
-from recipe.optimizer import build_optimizer  # noqa: E402
+from recipe.loss import build_objective  # noqa: E402
+from recipe.optimizer import build_optimizer, model_ema  # noqa: E402
 from recipe.precision import AMP_DTYPES, PRECISION_NAMES, Compute, amp_flag, choose_compute, short_name  # noqa: E402
 from run.autotune import CACHE_ENV, amp_candidates, cache_file, read_entries, synchronize, training_step  # noqa: E402
 from run.metrics import peak_memory  # noqa: E402
+from tools.profile_steps import printed, traced  # noqa: E402
 from tools.startup_benchmark import image_counts, startup_benchmark  # noqa: E402
 from utils import Parser, UserError, entry_point, number, write_json  # noqa: E402
 
 FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
 # The fixed configurations auto is compared with: --amp, channels_last
 # The kinds of row, in the order of the table (see the docstring)
-KINDS = ("model-only", "loop", "loader", "baseline", "fixed", "auto", "torchrun", "spawn", "demo", "predict")
+KINDS = (
+    "model-only",
+    "compile",
+    "loop",
+    "loader",
+    "profile",
+    "baseline",
+    "fixed",
+    "auto",
+    "torchrun",
+    "spawn",
+    "demo",
+    "predict",
+)
 TABLE_HEADER = (
     "| configuration | processes | precision, layout | img/s | × baseline | % of peak | epoch (s) "
     "| first epoch (s) | peak RSS / process (MiB) |\n|---|---:|---|---:|---:|---:|---:|---:|---:|"
@@ -124,6 +147,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=number(int, 1), default=20, help="timed steps of the rows without a loader")
     p.add_argument(
         "--loader-images", type=number(int, 1), default=512, help="timed images of the loader rows (at least)"
+    )
+    p.add_argument(
+        "--profile-steps", type=number(int, 1), default=10, help="steps the profile row traces (from its second epoch)"
     )
     p.add_argument("--nprocs", type=number(int, 1), help="DDP processes (default: GPUs visible, or 2 on the CPU)")
     p.add_argument(
@@ -183,11 +209,13 @@ def _in_memory(queue, mode, img_size, batch_size, amp, channels_last, device, st
     """In a fresh process: `steps` timed training steps on one random batch held in memory, after three untimed
     ones (allocations, kernel choices). `mode` "bare": the step alone, the batch on the device once; "item": the
     same with loss.item() after each step; "loop": train_one_epoch, which moves the batch to the device and
-    reads the loss at every step, as training does."""
+    reads the loss at every step, as training does; "compiled": "bare" with the model compiled, the first
+    untimed step (the compilation) timed on its own."""
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = resolve_device(device)
     compute, _ = choose_compute(amp, channels_last, device)
     model = initial_model("resnet34", 5, device, compute.memory_format)  # as the scripts build it, in one process
+    trained = torch.compile(model) if mode == "compiled" else model
     # The training scripts' optimizer at their default settings (the step's cost does not depend on them).
     optimizer, _ = build_optimizer(model, parse_config(SINGLE, "", []), batches_per_epoch=1)
     scaler = compute.grad_scaler(device)
@@ -196,19 +224,24 @@ def _in_memory(queue, mode, img_size, batch_size, amp, channels_last, device, st
     images = torch.randint(0, 256, (batch_size, 3, img_size, img_size), generator=generator, dtype=torch.uint8)
     batch = (images, torch.randint(0, 5, (batch_size,)))
     if mode == "loop":
-        run = functools.partial(loop_steps, model, optimizer, scaler, compute, device, batch)
+        run = functools.partial(loop_steps, trained, optimizer, scaler, compute, device, batch)
     else:
         on_device = compute.batch_to(batch[0], device), batch[1].to(device)
-        run = functools.partial(bare_steps, model, optimizer, scaler, compute, on_device, host_sync=mode == "item")
-    run(3)
+        run = functools.partial(bare_steps, trained, optimizer, scaler, compute, on_device, host_sync=mode == "item")
+    first = time.perf_counter()
+    run(1)
+    synchronize(device)
+    first = time.perf_counter() - first
+    run(2)
     synchronize(device)
     start = time.perf_counter()
     run(steps)
     synchronize(device)  # the clock stops when the device has finished the queued steps, not when they are queued
     seconds = time.perf_counter() - start
-    queue.put(
-        {"img_per_sec": steps * batch_size / seconds, "host_sync_each_step": mode != "bare", **peak_memory(device)}
-    )
+    measured = {"img_per_sec": steps * batch_size / seconds, "host_sync_each_step": mode in ("item", "loop")}
+    if mode == "compiled":  # the compilation: what the first step took more than a compiled one
+        measured["compile_seconds"] = first - seconds / steps
+    queue.put(measured | peak_memory(device))
 
 
 def bare_steps(model, optimizer, scaler, compute, batch, steps: int, host_sync: bool) -> None:
@@ -238,17 +271,8 @@ def _loader(queue, split, img_size, batch_size, workers, images, start_method, d
     `images` images, in whole rounds of `workers` batches (the workers deliver batches in turn, each its own),
     over as many epochs as that takes."""
     multiprocessing.set_start_method(start_method, force=True)
-    config, plan = Config(img_size=img_size, batch_size=batch_size), SimpleNamespace(split=split)
-    # statement for statement: train_single_gpu.py
-    train_set, val_set, decoded = datasets(plan.split, config, 1)
-    # end of train_single_gpu.py
-    # statement for statement: train_single_gpu.py
-    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
-    loading["pin_memory"] = device.type == "cuda"
-    loading["worker_init_fn"] = ignore_stop_signals
-    batches = shuffled_batches(train_set, config.batch_size, config.seed)
-    train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
-    # end of train_single_gpu.py
+    config = parse_config(SINGLE, "", ["--img-size", str(img_size), "--batch-size", str(batch_size)])
+    train_loader, decoded = training_loader(split, config, workers, device)
     batches = batches_over_epochs(train_loader)
     for _ in range(max(2, workers)):
         next(batches)
@@ -259,6 +283,58 @@ def _loader(queue, split, img_size, batch_size, workers, images, start_method, d
     queue.put(
         {"img_per_sec": loaded / seconds, "workers": workers, "decoded": decoded, **peak_memory(torch.device("cpu"))}
     )
+
+
+def training_loader(split, config, workers: int, device: torch.device) -> tuple[DataLoader, str]:
+    """The training loader as train_single_gpu.py builds it, for `config` (a Config) and `workers` loader workers
+    on `device`, and the line saying whether its images were decoded once into memory."""
+    plan = SimpleNamespace(split=split)
+    # statement for statement: train_single_gpu.py
+    train_set, val_set, decoded = datasets(plan.split, config, 1)
+    # end of train_single_gpu.py
+    # statement for statement: train_single_gpu.py
+    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
+    loading["pin_memory"] = device.type == "cuda"
+    loading["worker_init_fn"] = ignore_stop_signals
+    batches = shuffled_batches(train_set, config.batch_size, config.seed)
+    train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
+    # end of train_single_gpu.py
+    return train_loader, decoded
+
+
+def _profile(queue, split, img_size, batch_size, amp, channels_last, workers, steps, start_method, device, folder):
+    """In a fresh process: the training loop as train_single_gpu.py builds it (its data, loader, model and recipe
+    at their default settings, in the precision, layout and loader workers auto chose, given here), its first
+    epoch untraced, then `steps` steps traced by torch.profiler (tools/profile_steps.py): the trace in `folder`,
+    the summary and the traced steps' images per second on the queue."""
+    multiprocessing.set_start_method(start_method, force=True)
+    sys.stdout = open(os.devnull, "w")  # the progress bars
+    device = resolve_device(device)
+    config = parse_config(SINGLE, "", ["--img-size", str(img_size), "--batch-size", str(batch_size)])
+    plan, compute = SimpleNamespace(split=split, weights=None), Compute(AMP_DTYPES[amp], channels_last)
+    use_cores(device, 1, batch_size, workers)  # the compute threads tune() leaves beside the workers
+    train_loader, decoded = training_loader(split, config, workers, device)
+    # statement for statement: train_single_gpu.py
+    model = initial_model(
+        config.model, len(plan.split.classes), device, compute.memory_format,
+        seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
+        grad_checkpointing=config.grad_checkpointing,
+    )  # fmt: skip
+    trained = data_parallel_over_gpus(model, device) if config.data_parallel else model
+    trained = torch.compile(trained) if config.compile else trained
+    optimizer, scheduler = build_optimizer(trained, config, len(train_loader))
+    training = Training(
+        trained, optimizer, scheduler, compute, compute.grad_scaler(device),
+        objective=build_objective(config, plan.split, device), accumulate=config.accumulate,
+        clip_grad_norm=config.clip_grad_norm, ema=model_ema(model, config.ema_decay) if config.model_ema else None,
+    )  # fmt: skip
+    # end of train_single_gpu.py
+    found = traced(
+        lambda loader: train_one_epoch(training, loader, device, 1),
+        batches_over_epochs(train_loader), len(train_loader), steps, device, folder,
+    )  # fmt: skip
+    found["img_per_sec"] = found["traced_steps"] * batch_size / found["traced_seconds"]
+    queue.put(found | {"workers": workers, "decoded": decoded} | peak_memory(device))
 
 
 def batches_over_epochs(loader):
@@ -522,11 +598,12 @@ def described(compute: Compute) -> str:
 def in_memory_rows(args, compute: Compute, peaks: dict, flops: float):
     """The rows without a data loader, each yielded as soon as it is measured (those of the kinds in --rows): the
     bare training step (the first: the ceiling), the same with loss.item() each step, the same in float32 NCHW,
-    and train_one_epoch's loop over a batch in memory; in what auto chose."""
+    the same compiled, and train_one_epoch's loop over a batch in memory; in what auto chose."""
     cases = [  # name, kind, _in_memory's mode, how it computes
         ("model only (the ceiling)", "model-only", "bare", compute),
         ("model only, loss.item() each step", "model-only", "item", compute),
         ("model only, float32 NCHW", "model-only", "bare", Compute()),
+        ("model only, torch.compile", "compile", "compiled", compute),
         ("train_one_epoch, tensors in memory", "loop", "loop", compute),
     ]
     settings = (args.img_size, args.batch_size)
@@ -554,6 +631,19 @@ def loader_rows(args, split, workers: int):
         measured = in_fresh_process(name, _loader, *measure)
         measured["img_per_sec_per_worker"] = measured["img_per_sec"] / count
         yield row(name, "loader", 1, "–", measured)
+
+
+def profile_rows(args, split, compute: Compute, workers: int):
+    """The profile of the real loop (if --rows has it), in what auto chose; its summary printed."""
+    if "profile" not in args.rows:
+        return
+    device = torch.device(args.device)
+    measure = (split, args.img_size, args.batch_size, amp_flag(compute), compute.channels_last, workers,
+               args.profile_steps, multiprocessing.get_start_method(), args.device,
+               args.output_dir.resolve())  # fmt: skip
+    measured = in_fresh_process("profile", _profile, *measure)
+    print(printed(measured, device), flush=True)
+    yield row(f"profile: train_one_epoch, {worker_phrase(workers)}", "profile", 1, described(compute), measured)
 
 
 def auto_run(args) -> tuple[dict, Compute, int]:
@@ -718,6 +808,7 @@ def main(argv=None):
     measured_rows = itertools.chain(
         in_memory_rows(args, compute, peaks, flops),
         loader_rows(args, split, workers),
+        profile_rows(args, split, compute, workers),
         script_rows(args, workers, nprocs, peaks, flops),
         predict_rows(args, nprocs, peaks, benchmark["rows"]),
     )

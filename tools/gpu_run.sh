@@ -1,84 +1,89 @@
 #!/usr/bin/env bash
-# Everything to run on a lent GPU machine, in one command from the repository root, with the machine's own python3
-# (nothing installed):
+# What to run on a lent GPU machine, in one command from the repository root, with the machine's own python3
+# (nothing installed), as a list of steps:
 #
-#     bash tools/gpu_run.sh
+#     bash tools/gpu_run.sh                     # the standing order's steps (DEFAULT_STEPS below)
+#     bash tools/gpu_run.sh "tests quick 90 tests/test_gpu.py -m gpu -k 'evaluate or data_parallel'" \
+#                           "bench b256 240 --batch-size 256 --rows model-only,compile,profile"
 #
-# The machine's commands are stopped at 10 minutes. So what would go wrong silently is checked first, the speed is
-# measured next, the other GPU tests run in the time left, and each result reaches $OUT as soon as it exists:
-# 1. the machine: nvidia-smi, python, torch, CUDA, cuDNN, NCCL, C compiler (torch.compile's Triton needs one). From
-#    here on, a flower_photos-shaped folder of 3,670 JPEGs for the benchmarks is drawn in /tmp in the background
-#    (tools/make_flower_jpegs.py, on all cores, at low priority), while steps 1 and 2 run;
-# 2. the first tests, into gpu_tests_first.log: tests/test_host_syncs.py's GPU test (no more host synchronisations
-#    in 4 training steps or validation batches than in 2, as torch.cuda.set_sync_debug_mode("warn") reports them,
-#    in every precision), then tests/test_gpu.py's first group,
-#    -k TestWhatBreaksSilently (every launch mode on nccl or gloo over CUDA, learning above chance and logging
-#    alike; --model-ema; a DDP checkpoint resumed in one process; with two GPUs, two ranks on nccl and cuda:1);
-# 3. tools/benchmark.py on the GPU at batch 256 (--rows model-only,auto: the model-only rows and train_single_gpu.py
-#    end to end), then at batch 16, the README's setting, every row that fits in the time (its DDP and demo rows
-#    come last);
-# 4. the rest of tests/test_gpu.py, -k "not TestWhatBreaksSilently", into gpu_tests_rest.log (torch.compile's
-#    test, the slowest, last).
-# The tests run with -n 0, in one process, which tests/conftest.py does not pin to a share of the cores: the scripts
-# they start get all of them. tools/benchmark.py rewrites its benchmark.json after every row; while a benchmark runs,
-# that file is copied to $OUT every few seconds, and again when it ends or is timed out, so a stop at any moment
-# leaves the finished rows in $OUT.
+# Each argument is one step, its words as a shell would split them (quotes allowed), the first naming its kind:
+#   tests NAME LIMIT PYTEST_ARGS...   python -m pytest PYTEST_ARGS -n 0 -q, its output added to $OUT/tests.log;
+#                                     stopped with SIGINT at its limit, so pytest still reports what it ran
+#   bench NAME LIMIT FLAGS...         tools/benchmark.py --device cuda on the JPEG folder, output in
+#                                     /tmp/bench_gpu_NAME; its benchmark.json copied to $OUT/benchmark_NAME.json
+#                                     every 3 s while it runs and at its end (a stop leaves the finished rows), its
+#                                     profile trace (--rows profile) to $OUT/profile_NAME.json.gz, its runs' logs to
+#                                     $OUT/bench.log
+#   run NAME LIMIT SCRIPT FLAGS...    a training script on the JPEG folder (--device cuda), timed from the command
+#                                     to its end (the last weights file written); its metrics.jsonl copied to
+#                                     $OUT/run_NAME.jsonl, its log to $OUT/bench.log
+# A step gets LIMIT seconds, or what is left of GPU_RUN_BUDGET (default 560) less 15 s, whichever is less; one with
+# under 30 s is skipped. A failed step is recorded and the next one still runs; the command ends with status 0 only
+# if every step succeeded.
 #
-# Results go to $OUT (default /tmp/gpu_out), 7 files at most, in the order they appear: summary.log (the machine,
-# every step with its time, exit status and, for tests, pytest's last line), gpu_tests_first.log, bench.log (the
-# benchmarks' output, and each benchmark's run logs once it ends), benchmark_b256.json, benchmark_b16.json,
-# benchmark_b16.png (if that benchmark finished), gpu_tests_rest.log. A step that fails is recorded and the next
-# one still runs; the command ends with status 0 only if every step succeeded. Each step runs under `timeout`, from
-# a budget of GPU_RUN_BUDGET seconds for the whole command (default 560: under 9.5 minutes): the host-sync test
-# GPU_RUN_SYNC_LIMIT seconds at most (default 60), the first group GPU_RUN_FIRST_LIMIT (default 210);
-# GPU_RUN_REST_RESERVE seconds (default 120) are kept for the rest of the tests, which get whatever is left; the
-# benchmarks get what lies between: the first half of it, the last all that remains.
+# Before the steps: the machine (nvidia-smi, python, torch, CUDA, cuDNN, NCCL, a C compiler for torch.compile's
+# Triton) into $OUT/summary.log, which then gets every step with its time and exit status (and pytest's last line).
+# A flower_photos-shaped folder of 3,670 JPEGs (tools/make_flower_jpegs.py, all cores, low priority) is drawn in the
+# background from the start; the first bench or run step waits for it.
+#
+# Results go to $OUT (default /tmp/gpu_out); the device tool brings back 8 files at most, so plan at most 3 bench
+# steps with profiles (summary.log, tests.log, bench.log and 2 files each) or more without.
+# For a dry run on a machine without a GPU: GPU_RUN_DEVICE=cpu, GPU_RUN_JPEG_SCALE=0.05 (a smaller folder), and
+# small sizes in the steps (docs/performance.md, "The GPU runner").
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 OUT=${OUT:-/tmp/gpu_out}
 BUDGET=${GPU_RUN_BUDGET:-560}
-SYNC_LIMIT=${GPU_RUN_SYNC_LIMIT:-60}
-FIRST_LIMIT=${GPU_RUN_FIRST_LIMIT:-210}
-REST_RESERVE=${GPU_RUN_REST_RESERVE:-120}
-FIRST_GROUP=TestWhatBreaksSilently # the class of tests/test_gpu.py that runs first
-# For a dry run elsewhere: another interpreter, a smaller JPEG folder, other batch sizes (the last one gets the full
-# benchmark), flags added to every benchmark (they come last, so they override): see docs/performance.md.
 PY=${PYTHON:-python3}
 DATA=${GPU_RUN_DATA:-/tmp/flower_photos_synthetic}
 JPEG_SCALE=${GPU_RUN_JPEG_SCALE:-1}
-read -r -a BATCHES <<<"${GPU_RUN_BATCHES:-256 16}"
-read -r -a BENCH_FLAGS <<<"${GPU_RUN_BENCH_FLAGS:-}"
+DEVICE=${GPU_RUN_DEVICE:-cuda}
 SUMMARY=$OUT/summary.log
-BENCH_LOG=$OUT/bench.log
 export PYTHONUNBUFFERED=1
-if [ "${#BATCHES[@]}" -lt 1 ] || [ "${#BATCHES[@]}" -gt 2 ]; then
-    echo "GPU_RUN_BATCHES: 1 or 2 batch sizes (the device returns 8 files at most)" >&2
-    exit 2
-fi
+DEFAULT_STEPS=(
+    "tests first 240 tests/test_host_syncs.py tests/test_gpu.py -m gpu -k 'host_sync or TestWhatBreaksSilently'"
+    "bench b256 300 --batch-size 256 --rows model-only,compile,loader,profile,auto"
+    "tests rest 600 tests/test_gpu.py -m gpu -k 'not TestWhatBreaksSilently'"
+)
+[ $# -gt 0 ] || set -- "${DEFAULT_STEPS[@]}"
 mkdir -p "$OUT"
 : >"$SUMMARY"
+: >"$OUT/tests.log"
+: >"$OUT/bench.log"
 failed=0
 
-left() { echo $((BUDGET - SECONDS)); }
-at_most() { echo $(($1 < $2 ? $1 : $2)); } # at_most A B: the smaller
 note() { echo "[gpu_run +${SECONDS}s] $*" | tee -a "$SUMMARY"; }
-ended() { # ended NAME STATUS [STARTED]: the step's exit status (and seconds since STARTED) in summary.log; a
-    # failed step makes the command fail
+ended() { # ended NAME STATUS STARTED: the step's exit status and seconds in summary.log; a failure fails the command
     local why=""
     case $2 in
     124 | 137) why=" (timed out)" ;;
     5) why=" (no test selected)" ;; # pytest's status when nothing was collected: a wrong -k, say
     esac
-    note "$1: exit status $2$why${3:+, $((SECONDS - $3)) s}"
+    note "$1: exit status $2$why, $((SECONDS - $3)) s"
     [ "$2" = 0 ] || failed=1
 }
+limit_of() { # limit_of LIMIT: LIMIT, or what is left of the budget less 15 s, whichever is less
+    local left=$((BUDGET - SECONDS - 15))
+    echo $(($1 < left ? $1 : left))
+}
+copy_new() { # copy_new FROM TO: FROM, if it exists and differs from TO, copied whole to TO (written beside, renamed)
+    [ -f "$1" ] && ! cmp -s "$1" "$2" && cp "$1" "$OUT/.copying" && mv -f "$OUT/.copying" "$2"
+}
+run_logs() { # run_logs FOLDER: the logs of a benchmark's or a run's scripts, into bench.log (progress bars left out
+    # but for their 100 % lines)
+    for log in "$@"; do
+        [ -f "$log" ] || continue
+        echo "----- $log"
+        tr '\r' '\n' <"$log" | grep -Ev '(^|[^0-9])[0-9]{1,2}%\|'
+    done >>"$OUT/bench.log"
+}
 
-# 1. The machine; the benchmark's JPEG folder is drawn meanwhile, and while the first tests run
+# The machine; the JPEG folder is drawn meanwhile
 jpegs_log=$(mktemp)
 nice -n 10 timeout 300 "$PY" tools/make_flower_jpegs.py "$DATA" --scale "$JPEG_SCALE" >"$jpegs_log" 2>&1 &
 jpegs_pid=$!
-step_started=$SECONDS
+jpegs_status=
 {
     date -u
     if command -v nvidia-smi >/dev/null; then timeout 30 nvidia-smi; else echo "nvidia-smi: not found"; fi
@@ -95,126 +100,101 @@ if torch.cuda.is_available():
     print("NCCL", ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl)
     for i in range(torch.cuda.device_count()):
         print(f"cuda:{i}", torch.cuda.get_device_name(i), "capability", torch.cuda.get_device_capability(i))
-else:
-    sys.exit(3)
 EOF
-    gpu_status=$?
-    echo "CPU cores: $(nproc); C compiler: $(command -v cc || command -v gcc || command -v clang || echo none)"
-    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>}"
-    exit "$gpu_status"
+    echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) x $(nproc); C compiler: $(command -v cc || command -v gcc || echo none)"
+    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>}; steps: $*"
 } 2>&1 | tee -a "$SUMMARY"
-gpu_status=$?
-if [ "$gpu_status" = 3 ]; then
-    note "torch sees no CUDA GPU: the GPU tests will all skip, and the benchmark runs only if GPU_RUN_BENCH_FLAGS has --device cpu"
-    failed=1
-else
-    ended "machine" "$gpu_status" "$step_started"
-fi
 
-# 2 and 4. The tests. run_tests NAME LIMIT LOG PYTEST_ARGS...: python -m pytest PYTEST_ARGS -n 0 -q under a timeout
-# of LIMIT seconds (SIGINT first: pytest then still reports every test it ran), its output added to $OUT/LOG as it
-# comes, its last line and exit status in summary.log.
-run_tests() {
-    local name=$1 limit=$2 log=$OUT/$3 started=$SECONDS
-    shift 3
-    if [ "$limit" -lt 30 ]; then
-        note "$name: skipped, $limit s for it" | tee -a "$log"
-        failed=1
-        return
+jpeg_folder() { # waits, once, for the JPEG folder drawn since the start; fails if it could not be drawn
+    if [ -z "$jpegs_status" ]; then
+        wait "$jpegs_pid"
+        jpegs_status=$?
+        cat "$jpegs_log" >>"$SUMMARY" && rm -f "$jpegs_log"
+        note "JPEG folder $DATA: $(find "$DATA" -name '*.jpg' 2>/dev/null | wc -l) JPEGs, exit status $jpegs_status"
     fi
+    [ "$jpegs_status" = 0 ]
+}
+
+tests_step() { # tests NAME LIMIT PYTEST_ARGS...
+    local name=$1 limit=$2 started=$SECONDS log=$OUT/tests.log
+    shift 2
     local command=("$PY" -m pytest "$@" -n 0 -q --durations=0)
-    note "$name: ${command[*]} (at most $limit s)"
+    note "tests $name: ${command[*]} (at most $limit s)"
     echo "===== $name: ${command[*]}" >>"$log"
-    local before # the log's lines before this step's
+    local before
     before=$(wc -l <"$log")
     timeout -s INT -k 15 "$limit" "${command[@]}" 2>&1 | tee -a "$log"
     local status=$?
     local outcome # pytest's last line: its counts of passed, failed, skipped tests and its time
     outcome=$(tail -n +$((before + 1)) "$log" |
         grep -E '(passed|failed|skipped|error|deselected|no tests ran).* in [0-9.]+s' | tail -n 1)
-    ended "$name (${outcome:-no outcome})" "$status" "$started"
+    ended "tests $name (${outcome:-no outcome})" "$status" "$started"
 }
 
-FIRST_LOG=gpu_tests_first.log
-: >"$OUT/$FIRST_LOG"
-if [ -f tests/test_host_syncs.py ]; then
-    run_tests "host-sync test" "$(at_most "$SYNC_LIMIT" $(($(left) - 20)))" "$FIRST_LOG" tests/test_host_syncs.py -m gpu
-else
-    note "host-sync test: tests/test_host_syncs.py not found, not run" | tee -a "$OUT/$FIRST_LOG"
-    failed=1
-fi
-run_tests "GPU tests, first group" "$(at_most "$FIRST_LIMIT" $(($(left) - 20)))" "$FIRST_LOG" \
-    tests/test_gpu.py -m gpu -k "$FIRST_GROUP"
-
-# The JPEG folder, drawn since step 1
-wait "$jpegs_pid"
-jpegs_status=$?
-cat "$jpegs_log" >>"$SUMMARY" && rm -f "$jpegs_log"
-ended "JPEG folder $DATA, $(find "$DATA" -name '*.jpg' 2>/dev/null | wc -l) JPEGs" "$jpegs_status" # its time: above
-
-# 3. The benchmarks. bench NAME LIMIT FLAGS...: tools/benchmark.py under a timeout of LIMIT seconds (skipped below
-# 45), its output into bench.log, its benchmark.json copied to $OUT/benchmark_NAME.json whenever it changes (every
-# 3 s) and once more at the end, then its run logs into bench.log (progress bars left out but for their 100 % lines).
-copy_new() { # copy_new FROM TO: FROM, if it exists and differs from TO, copied whole to TO (written beside it, renamed)
-    [ -f "$1" ] && ! cmp -s "$1" "$2" && cp "$1" "$OUT/.copying" && mv -f "$OUT/.copying" "$2"
-}
-bench() {
+bench_step() { # bench NAME LIMIT FLAGS...
     local name=$1 limit=$2 dir=/tmp/bench_gpu_$1 started=$SECONDS
     shift 2
-    rm -rf "$dir" "$dir.ended" # an earlier run's, whose benchmark.png must not pass for this one's
-    if [ "$limit" -lt 45 ]; then
-        note "benchmark $name: skipped, $limit s for it"
-        failed=1
-        return
-    fi
-    local command=("$PY" tools/benchmark.py --device cuda --data-path "$DATA" --output-dir "$dir")
-    command+=("$@" "${BENCH_FLAGS[@]}")
-    note "benchmark $name: ${command[*]} (at most $limit s)"
-    echo "===== benchmark $name: ${command[*]}" >>"$BENCH_LOG"
+    jpeg_folder || { ended "bench $name (no JPEG folder)" 1 "$started" && return; }
+    rm -rf "$dir" "$dir.ended"
+    local command=("$PY" tools/benchmark.py --device "$DEVICE" --data-path "$DATA" --output-dir "$dir" "$@")
+    note "bench $name: ${command[*]} (at most $limit s)"
+    echo "===== bench $name: ${command[*]}" >>"$OUT/bench.log"
     while [ ! -e "$dir.ended" ]; do # the rows finished so far, in $OUT while the benchmark runs
         copy_new "$dir/benchmark.json" "$OUT/benchmark_$name.json"
         sleep 3
     done &
     local copier=$!
-    timeout -k 10 "$limit" "${command[@]}" 2>&1 | tee -a "$BENCH_LOG"
+    timeout -k 10 "$limit" "${command[@]}" 2>&1 | tee -a "$OUT/bench.log"
     local status=$?
     touch "$dir.ended"
     wait "$copier"
     rm -f "$dir.ended"
     copy_new "$dir/benchmark.json" "$OUT/benchmark_$name.json"
-    local rows complete
+    copy_new "$dir/profile_trace.json.gz" "$OUT/profile_$name.json.gz"
+    local rows
     rows=$(grep -s -c '"kind"' "$OUT/benchmark_$name.json")
-    complete=$(grep -s -q '"complete": true' "$OUT/benchmark_$name.json" && echo "complete" || echo "not complete")
-    ended "benchmark $name (benchmark_$name.json: rows ${rows:-0}, $complete)" "$status" "$started"
-    for log in "$dir"/logs/*.log; do
-        [ -f "$log" ] || continue
-        echo "----- $log"
-        tr '\r' '\n' <"$log" | grep -Ev '(^|[^0-9])[0-9]{1,2}%\|'
-    done >>"$BENCH_LOG"
+    ended "bench $name (benchmark_$name.json: ${rows:-0} rows)" "$status" "$started"
+    run_logs "$dir"/logs/*.log
 }
 
-: >"$BENCH_LOG"
-if [ "$jpegs_status" = 0 ]; then
-    last=$((${#BATCHES[@]} - 1))
-    for i in "${!BATCHES[@]}"; do
-        # what is left before the rest of the tests, less what a timed-out benchmark takes to stop and be copied
-        # (15 s) and what the tests' own timeout adds (20 s)
-        before_rest=$(($(left) - REST_RESERVE - 35))
-        if [ "$i" -lt "$last" ]; then
-            bench "b${BATCHES[$i]}" $((before_rest / 2)) --batch-size "${BATCHES[$i]}" --rows model-only,auto
-        else
-            bench "b${BATCHES[$i]}" "$before_rest" --batch-size "${BATCHES[$i]}"
-            cp "/tmp/bench_gpu_b${BATCHES[$i]}/benchmark.png" "$OUT/benchmark_b${BATCHES[$i]}.png" 2>/dev/null
-        fi
-    done
-else
-    note "benchmark: skipped, no JPEG folder"
-fi
+run_step() { # run NAME LIMIT SCRIPT FLAGS...
+    local name=$1 limit=$2 script=$3 dir=/tmp/run_gpu_$1 started=$SECONDS
+    shift 3
+    jpeg_folder || { ended "run $name (no JPEG folder)" 1 "$started" && return; }
+    rm -rf "$dir"
+    local command=("$PY" "$script" --device "$DEVICE" --data-path "$DATA" --output-dir "$dir/run" "$@")
+    note "run $name: ${command[*]} (at most $limit s)"
+    mkdir -p "$dir"
+    local begun=$EPOCHREALTIME
+    timeout -k 10 "$limit" "${command[@]}" >"$dir/log" 2>&1
+    local status=$?
+    local seconds
+    seconds=$(awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $begun }")
+    copy_new "$dir/run/metrics.jsonl" "$OUT/run_$name.jsonl"
+    note "run $name: ${seconds} s from the command to its end; last weights file $(ls -l --time-style=+%T.%N "$dir/run/weights/last.pth" 2>/dev/null | awk '{print $6}')"
+    ended "run $name" "$status" "$started"
+    run_logs "$dir/log"
+}
 
-# 4. The rest of the GPU tests, in what is left (20 s: the timeout's grace to stop, and the last lines)
-REST_LOG=gpu_tests_rest.log
-: >"$OUT/$REST_LOG"
-run_tests "GPU tests, the rest" $(($(left) - 20)) "$REST_LOG" tests/test_gpu.py -m gpu -k "not $FIRST_GROUP"
+for step in "$@"; do
+    eval "words=($step)" # the step's words, quotes honoured
+    kind=${words[0]} name=${words[1]} asked=${words[2]}
+    limit=$(limit_of "$asked")
+    if [ "$limit" -lt 30 ]; then
+        note "$kind $name: skipped, $limit s left for it"
+        failed=1
+        continue
+    fi
+    case $kind in
+    tests) tests_step "$name" "$limit" "${words[@]:3}" ;;
+    bench) bench_step "$name" "$limit" "${words[@]:3}" ;;
+    run) run_step "$name" "$limit" "${words[@]:3}" ;;
+    *)
+        note "unknown step kind: $kind (tests, bench or run)"
+        failed=1
+        ;;
+    esac
+done
 
 rm -f "$OUT/.copying"
 note "done in ${SECONDS}s; files in $OUT: $(cd "$OUT" && printf '%s ' *)"

@@ -1,0 +1,165 @@
+"""A profile of the real training loop (tools/benchmark.py --rows profile): a torch.profiler trace of a few steps of
+train_one_epoch fed by the training scripts' own data path, and what it says.
+
+The loop runs as train_single_gpu.py builds it (the same statements, in tools/benchmark.py's _profile). Its first
+epoch is not traced: the loader's processes start, cuDNN times its algorithms, memory is allocated. The trace covers
+the next `steps` steps, from the start of the second epoch, so an epoch's start (its first batches) is in it. It is
+written as Chrome's trace format, gzipped (profile_trace.json.gz: open it in https://ui.perfetto.dev or
+chrome://tracing), beside a summary (summary_of): the operations that took most time, on the device where there is
+a GPU and on the CPU otherwise; how long the device sat idle between its kernels within the traced steps (on a GPU:
+the traced time less the union of its kernels' and copies' intervals); and how long the training process waited
+for its next batch (the DataLoader's __next__, or whatever the loop iterates over).
+"""
+
+import gzip
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, schedule
+
+TRACE_NAME = "profile_trace.json.gz"
+TOP_OPERATIONS = 12
+STEP_PREFIX = "ProfilerStep"  # the span torch.profiler marks around each step (profile.step()): "ProfilerStep#3"
+
+
+class ProfiledBatches:
+    """The batches of `batches` (an iterator over any number of epochs), `skip + steps` of them, as train_one_epoch
+    takes a loader (it asks for their number): the profiler is told at each batch that a step begins, so its
+    schedule skips the first `skip` and traces the next `steps`."""
+
+    def __init__(self, batches, skip: int, steps: int, profiler: profile):
+        self.batches, self.skip, self.steps, self.profiler = batches, skip, steps, profiler
+
+    def __len__(self):
+        return self.skip + self.steps
+
+    def __iter__(self):
+        for step in range(len(self)):
+            if step:
+                self.profiler.step()  # step `step` begins: the last one's span closes, the schedule moves on
+            yield next(self.batches)
+
+
+def traced(run, batches, skip: int, steps: int, device: torch.device, folder: Path) -> dict:
+    """Run `run(ProfiledBatches(...))` (the training loop over `batches`) with the profiler tracing steps `skip` to
+    `skip + steps - 1`; writes the trace to folder/TRACE_NAME and returns its summary (summary_of)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    found = {}
+
+    def ready(profiler: profile) -> None:  # when the traced steps end: the trace written, the summary taken
+        path = folder / TRACE_NAME
+        profiler.export_chrome_trace(str(path))  # a name ending in .gz: torch writes it gzipped
+        found.update(summary_of(profiler.events(), device), trace=str(path), trace_bytes=path.stat().st_size)
+
+    plan = schedule(wait=max(skip - 1, 0), warmup=min(skip, 1), active=steps, repeat=1)
+    with profile(activities=activities, schedule=plan, on_trace_ready=ready) as profiler:
+        run(ProfiledBatches(batches, skip, steps, profiler))
+        profiler.step()  # the last traced step's span closes, and the trace is ready
+    return found
+
+
+def summary_of(events, device: torch.device) -> dict:
+    """What a profile says (its FunctionEvents): the traced steps' seconds (their spans on the CPU, as the loop
+    went), the device's idle seconds between its kernels and copies within them (None on the CPU, where the process
+    computes itself), the seconds the process waited for batches, the first step's milliseconds against the median
+    of the others' (an epoch's start), and the top operations by their own time on the device (on the CPU: the
+    process's)."""
+    steps = sorted(
+        (e for e in events if e.name.startswith(STEP_PREFIX) and e.device_type == DeviceType.CPU),
+        key=lambda e: e.time_range.start,
+    )  # on a GPU each step is marked on its timeline too: not counted
+    if not steps:
+        raise RuntimeError("the profile holds no step: did the loop run?")
+    start, end = steps[0].time_range.start, max(e.time_range.end for e in steps)
+    on_gpu = device.type == "cuda"
+    device_events = [e for e in events if on_gpu and is_device_work(e)]
+    busy = covered([(e.time_range.start, e.time_range.end) for e in device_events], start, end)
+    waits = [e for e in events if e.name.startswith("enumerate(") and e.device_type == DeviceType.CPU]
+    waited = covered([(e.time_range.start, e.time_range.end) for e in waits], start, end)
+    step_ms = [round(e.time_range.elapsed_us() / 1e3, 2) for e in steps]
+    return {
+        "traced_steps": len(steps),
+        "device_events": len(device_events),
+        "traced_seconds": (end - start) / 1e6,
+        "device_idle_seconds": (end - start - busy) / 1e6 if on_gpu else None,
+        "device_idle_fraction": (1 - busy / (end - start)) if on_gpu else None,
+        "waiting_for_batches_seconds": waited / 1e6,
+        "waiting_for_batches_fraction": waited / (end - start),
+        "step_ms": step_ms,
+        "first_step_ms": step_ms[0],
+        "other_steps_median_ms": statistics.median(step_ms[1:]) if len(step_ms) > 1 else None,
+        "top_operations": top_operations(events, on_gpu),
+    }
+
+
+def is_device_work(event) -> bool:
+    """A kernel, copy or memset on the GPU: not an annotation that torch.profiler marks on the GPU's timeline (a
+    step's span, the optimizer's step, ...), which spans the work and the idle time between."""
+    return (
+        event.device_type == DeviceType.CUDA
+        and not getattr(event, "is_user_annotation", False)
+        and not (event.name.startswith(STEP_PREFIX) or "#" in event.name)
+    )
+
+
+def covered(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """The length of the union of `intervals`, each clipped to [start, end]."""
+    total, reached = 0.0, start
+    for low, high in sorted(intervals):
+        low, high = max(low, reached), min(high, end)
+        if high > low:
+            total += high - low
+            reached = high
+    return total
+
+
+def top_operations(events, on_gpu: bool) -> list[dict]:
+    """The TOP_OPERATIONS operations (kernels, on a GPU) that took most of their own time, with their calls and
+    milliseconds, and their share of all such time."""
+    totals: dict[str, list] = {}
+    for event in events:
+        if event.name.startswith(STEP_PREFIX):
+            continue
+        if on_gpu:
+            if not is_device_work(event):
+                continue
+            own = event.time_range.elapsed_us()
+        else:
+            own = event.self_cpu_time_total
+        entry = totals.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += own
+    whole = sum(us for _, us in totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda item: item[1][1], reverse=True)[:TOP_OPERATIONS]
+    return [
+        {"name": name, "calls": calls, "ms": round(us / 1e3, 3), "share": round(us / whole, 4)}
+        for name, (calls, us) in ranked
+    ]
+
+
+def printed(found: dict, device: torch.device) -> str:
+    """The summary as the benchmark prints it."""
+    where = "GPU kernels" if device.type == "cuda" else "CPU operations, own time"
+    lines = [f"Profile of {found['traced_steps']} steps ({found['traced_seconds']:.3f} s): {found['trace']}"]
+    if found["device_idle_seconds"] is not None:
+        lines.append(
+            f"  the GPU sat idle {found['device_idle_seconds']:.3f} s of them ({found['device_idle_fraction']:.0%})"
+        )
+    lines.append(
+        f"  the training process waited for batches {found['waiting_for_batches_seconds']:.3f} s "
+        f"({found['waiting_for_batches_fraction']:.0%}); the first step (an epoch's start) "
+        f"{found['first_step_ms']} ms, the others' median {found['other_steps_median_ms']} ms"
+    )
+    lines.append(f"  top {where}:")
+    for op in found["top_operations"]:
+        lines.append(f"    {op['share']:6.1%} {op['ms']:10.2f} ms {op['calls']:6d} x  {op['name'][:90]}")
+    return "\n".join(lines)
+
+
+def trace_events(path: Path) -> list[dict]:
+    """The events of a trace written by `traced` (for tests and for reading it without a browser)."""
+    with gzip.open(path, "rt") as f:
+        return json.load(f)["traceEvents"]
