@@ -3,7 +3,8 @@ and validation sets of a split, built as every script builds them (datasets).
 
 Its parts live in dataset/: the data folder read and split (folders.py), an image file read (images.py), the
 transform presets (transforms.py), the images decoded once into memory (in_memory.py), seeded sampling
-(sampling.py), the demo data (demo.py) and the start-up check of every image (image_check.py).
+(sampling.py), the demo data (demo.py), the start-up check of every image (image_check.py), and the batches made
+on the device (on_device.py, with each image's crop box drawn in crop_boxes.py).
 """
 
 import sys
@@ -14,12 +15,9 @@ from torch.utils.data import Dataset
 from dataset.folders import DataSplit
 from dataset.images import load_rgb
 from dataset.in_memory import DecodedImages, decode_once
+from dataset.on_device import SKIPPED, TrainingBatches, ValidationBatches  # noqa: F401 (the scripts' batches)
 from dataset.sampling import SeededSamples
 from dataset.transforms import train_transform, val_transform
-
-# The label of an image that could not be read during a run (deleted or broken after the start-up check): the
-# loss ignores it (nn.CrossEntropyLoss's ignore_index), evaluation leaves it out of its counts.
-SKIPPED = -100
 
 
 class MyDataSet(Dataset):

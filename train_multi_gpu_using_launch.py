@@ -30,7 +30,7 @@ from multi_train_utils.distributed_utils import (
 from multi_train_utils.stop_and_resume import ignore_stop_signals, resume_from, saving_a_step_on_stop
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training, train_one_epoch, validate
-from my_dataset import datasets
+from my_dataset import TrainingBatches, ValidationBatches, datasets
 from recipe.config import parse_config
 from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
@@ -71,10 +71,14 @@ def train(config, plan, process) -> dict:
 
     # The data. DDP: each process trains on its own shard of every epoch's shuffle (a DistributedSampler)...
     batches = shuffled_batches(train_set, config.batch_size, config.seed, process.rank, process.world_size)
-    train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
     # DDP: ... and validates images rank, rank + world size, ...: every image once over the processes, none padded
     val_sampler = val_shard(val_set, process.rank, process.world_size)
-    val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
+    if compute.on_device:  # the images held on the device, each batch cropped and flipped there (--batches)
+        train_loader = TrainingBatches(train_set, batches, device, compute.memory_format)
+        val_loader = ValidationBatches(val_set, val_sampler, config.batch_size, device)
+    else:  # loader processes crop and flip each image, and send the batches
+        train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
+        val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
 
     # The model: the same seeded initial weights in every process (DDP also broadcasts rank 0's when it wraps)
     model = initial_model(

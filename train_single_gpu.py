@@ -18,7 +18,7 @@ from multi_train_utils.bookkeeping import unreadable_limits
 from multi_train_utils.distributed_utils import shuffled_batches, single_process
 from multi_train_utils.stop_and_resume import ignore_stop_signals, resume_from, saving_a_step_on_stop
 from multi_train_utils.train_eval_utils import Training, train_one_epoch, validate
-from my_dataset import datasets
+from my_dataset import TrainingBatches, ValidationBatches, datasets
 from recipe.config import parse_config
 from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
@@ -42,8 +42,8 @@ def train(config, plan, process) -> dict:
     device = process.device
     # The images, decoded once into memory where they fit (--image-cache-gb): every epoch then only crops and flips
     train_set, val_set, decoded = datasets(plan.split, config, 1)
-    # This process has the machine's cores; the loader workers, precision and layout the flags leave to auto are
-    # measured on them (or remembered from an earlier run): run/autotune.py
+    # This process has the machine's cores; the loader workers, precision, layout and where batches are made, as far
+    # as the flags leave them to auto, are measured on them (or remembered from an earlier run): run/autotune.py
     workers, compute = tune(config, plan, device, 1, train_set)
     announce(config, plan, process, workers, decoded)
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
@@ -52,8 +52,13 @@ def train(config, plan, process) -> dict:
 
     # The data: every epoch a new seeded shuffle of all the training images, in batches
     batches = shuffled_batches(train_set, config.batch_size, config.seed)
-    train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
-    val_loader = DataLoader(val_set, batch_size=config.batch_size, **loading)
+    val_sampler = range(len(val_set))  # the validation images in order
+    if compute.on_device:  # the images held on the device, each batch cropped and flipped there (--batches)
+        train_loader = TrainingBatches(train_set, batches, device, compute.memory_format)
+        val_loader = ValidationBatches(val_set, val_sampler, config.batch_size, device)
+    else:  # loader processes crop and flip each image, and send the batches
+        train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
+        val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
 
     # The model, its initial weights seeded
     model = initial_model(

@@ -74,6 +74,14 @@ def normalise(images: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(shift, images, scale)
 
 
+def normalise_pixels(pixels: torch.Tensor, memory_format=torch.contiguous_format) -> torch.Tensor:
+    """A batch of pixel values 0-255 of any type (8-bit, or resampled in floating point: dataset/on_device.py) as
+    the network takes them, normalised as `normalise` does, into float32 in `memory_format`."""
+    scale, shift = normalising_constants(pixels.device)
+    out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device, memory_format=memory_format)
+    return torch.addcmul(shift, pixels, scale, out=out)
+
+
 @functools.cache
 def normalising_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, shift), each of shape (3, 1, 1) on `device`: (pixel / 255 - mean) / std as pixel * scale + shift."""

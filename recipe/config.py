@@ -278,6 +278,14 @@ class Config:
         "keep loader processes between epochs (off restarts them every epoch, as the original scripts did)",
         switch=True,
     )
+    batches: str = speed_flag(
+        "auto",
+        "where training batches are made: on the device, from the training images held there, each batch cropped "
+        "and flipped in a few operations (device); or by the loader's processes, an image at a time (loader). "
+        "auto: measured, where the images fit on the device and the augmentation has a batched form (not "
+        "--auto-augment, --random-erase); see docs/performance.md",
+        choices=["auto", "device", "loader"],
+    )
 
     # run
     resume: Path | None = run_flag(None, "continue the run whose checkpoint.pth this is (in its folder)", type=Path)
@@ -446,6 +454,9 @@ def parse_config(script: str, description: str, argv=None) -> Config:
         config = replace(config, weight_decay=WEIGHT_DECAY[config.opt])
     if config.warmup_epochs >= config.epochs:
         parser.error(f"--warmup-epochs {config.warmup_epochs} leaves no epoch of --epochs {config.epochs} to decay")
+    if config.batches == "device" and (config.auto_augment != "none" or config.random_erase > 0):
+        switch = "--auto-augment" if config.auto_augment != "none" else "--random-erase"
+        parser.error(f"--batches device: {switch} has no batched form on the device; leave --batches to auto")
     if config.grad_checkpointing or config.layer_decay != 1:  # a model without them: one line, before anything starts
         check_model_options(config.model, config.grad_checkpointing, config.layer_decay)
     return config

@@ -18,12 +18,14 @@ class Compute:
     and the GPU's tensor cores convolve fastest in; the model's weights must be converted too
     (model.initial_model does). A batch larger than `micro_batch` is taken in micro-batches of that many images,
     their gradients summed (train_eval_utils.train_one_epoch): the step the same, its memory that of the
-    micro-batch (run/autotune.py finds the largest that fits a GPU).
+    micro-batch (run/autotune.py finds the largest that fits a GPU). `on_device`: each training batch is made on
+    the device from images held there (run/batches.py says where it can be), instead of by loader processes.
     """
 
     amp_dtype: torch.dtype | None = None
     channels_last: bool = False
     micro_batch: int | None = None
+    on_device: bool = False  # the training batches made on the device (dataset/on_device.py), not by a loader
 
     @property
     def memory_format(self) -> torch.memory_format:

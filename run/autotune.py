@@ -47,12 +47,19 @@ from multi_train_utils.distributed_utils import broadcast_object, get_world_size
 from multi_train_utils.memory import OutOfMemory, largest_that_fits, memory_limited, pass_fits
 from recipe.loss import Objective
 from recipe.precision import AMP_DTYPES, Compute, amp_flag, choose_compute, short_name, summary
+from run.batches import (
+    choose_batches,
+    device_batches_possible,
+    device_seconds_per_image,
+    held_bytes,
+    steps_per_epoch,
+)
 from run.plan import note_inexact_resume
 from utils import NUMBER, OutputError, UserError, misfits, read_json, warn, write_json
 
 # Where the choices are kept (a file path), instead of the user's cache folder: for tests, or a shared disk.
 CACHE_ENV = "FLOWERS_AUTOTUNE_CACHE"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: where batches are made (Choice.batches)
 ON_WINDOWS = os.name == "nt"
 MAX_ROUNDS = 3  # timed samples per candidate, taken in turns: the fastest of them counts
 MEASURE_SHARE = 0.05  # more than one round only while the measuring stays within this share of the run's training
@@ -76,16 +83,17 @@ class Choice:
     date: str = ""
     lines: tuple = ()
     micro_batch: int | None = None
+    batches: str = "loader"  # where training batches are made: "device" or "loader" (run/batches.py)
 
     @property
     def compute(self) -> Compute:
-        return Compute(AMP_DTYPES[self.amp], self.channels_last, self.micro_batch)
+        return Compute(AMP_DTYPES[self.amp], self.channels_last, self.micro_batch, self.batches == "device")
 
 
 # A remembered choice in the cache file, as remember() writes it (utils.misfits' shapes)
 CHOICE_SHAPE = {"amp": str, "channels_last": bool, "workers": int, "micro_batch": (int, type(None)),
                 "measured": dict, "load_ms": (NUMBER, type(None)), "seconds": NUMBER, "date": str,
-                "lines": list}  # fmt: skip
+                "lines": list, "batches": str}  # fmt: skip
 ENTRY_SHAPE = {"key": dict, "choice": CHOICE_SHAPE}
 
 
@@ -93,25 +101,39 @@ def tune(config, plan, device: torch.device, processes_here: int, train_set) -> 
     """This process's loader workers and how it computes: what the flags give, the rest measured on this machine
     (or remembered from an earlier run), the same on every rank; loading is timed on `train_set`. Sets this
     process's compute threads on the CPU (its share of the cores, less its loader workers) and prints the choice."""
+    possible, room = device_batches_possible(config, train_set, device, processes_here)
+    if config.batches == "device" and not possible:
+        raise UserError(f"--batches device: {room.removeprefix('Batches: made by the loader: ')}")
     given = config.amp != "auto" and config.channels_last is not None and config.workers is not None
     if given and (config.micro_batch is not None or not memory_limited(device)):
-        workers = use_cores(device, processes_here, config.batch_size, config.workers)
+        on_device = possible and config.batches == "device"  # auto, with nothing measured: the loader
+        workers = use_cores(device, processes_here, config.batch_size, 0 if on_device else config.workers)
         compute, line = choose_compute(config.amp, config.channels_last, device)
         print_once(line)
-        compute = replace(compute, micro_batch=given_micro_batch(config))
+        print_once(batches_line(on_device, room, f"--batches {config.batches}"))
+        compute = replace(compute, micro_batch=given_micro_batch(config), on_device=on_device)
         note_inexact_resume(config, plan.saved, get_world_size(), compute.micro_batch)
         return workers, compute
     threads = share_cores(device, processes_here, config)
-    choice = cached_or_measured(config, plan, device, processes_here, train_set) if is_main_process() else None
-    choice = broadcast_object(choice)  # DDP: every rank trains as rank 0 chose; the others waited here
-    workers = choice.workers if config.workers is None else config.workers
-    if device.type == "cpu" and config.workers is None:
+    if is_main_process():
+        choice = cached_or_measured(config, plan, device, processes_here, train_set, (possible, room))
+    choice = broadcast_object(choice if is_main_process() else None)  # DDP: every rank trains as rank 0 chose
+    workers = 0 if choice.compute.on_device else choice.workers if config.workers is None else config.workers
+    if device.type == "cpu" and (config.workers is None or choice.compute.on_device):
         torch.set_num_threads(max(1, threads - workers))  # the workers' cores are taken from the compute threads
     for line in choice.lines:
         print_once(line)
     print_once(summary(choice.compute, *reasons(config, device)))
+    print_once(batches_line(choice.compute.on_device, room, f"--batches {config.batches}"))
     note_inexact_resume(config, plan.saved, get_world_size(), choice.compute.micro_batch)
     return workers, choice.compute  # with the micro-batch measured, remembered or given (the cache key holds it)
+
+
+def batches_line(on_device: bool, room: str, why: str) -> str:
+    """The line saying where the training batches are made, and why."""
+    if on_device:
+        return f"Batches: made on the device ({why}), from the training images held there: {room}"
+    return room if room.startswith("Batches:") else f"Batches: made by the loader ({why}); on the device, {room}"
 
 
 def given_micro_batch(config) -> int | None:
@@ -139,15 +161,15 @@ def reasons(config, device: torch.device) -> tuple[str, str]:
     return amp_reason, "--channels-last" if config.channels_last else "--no-channels-last"
 
 
-def cached_or_measured(config, plan, device: torch.device, processes_here: int, train_set) -> Choice:
+def cached_or_measured(config, plan, device: torch.device, processes_here: int, train_set, batches) -> Choice:
     """The choice remembered for this machine and configuration, else (or with --remeasure) a new one, measured
-    and remembered."""
+    and remembered. `batches`: whether the batches can be made on the device, and the line saying so."""
     path, key = cache_file(), cache_key(config, plan, device, processes_here)
     if not config.remeasure:
         cached = remembered(path, key)
         if cached is not None:
             return cached
-    choice = measure(config, plan, device, processes_here, train_set)
+    choice = measure(config, plan, device, processes_here, train_set, batches)
     if not choice.measured:
         return choice  # nothing was left to measure here (one candidate, no core to spare for a loader)
     kept = remember(path, key, choice)
@@ -155,18 +177,23 @@ def cached_or_measured(config, plan, device: torch.device, processes_here: int, 
     return Choice(**{**asdict(choice), "lines": (*choice.lines, f"Auto: {where}")})
 
 
-def measure(config, plan, device: torch.device, processes_here: int, train_set) -> Choice:
-    """Time the candidates (precision, layout) the flags leave open, then the loading of `train_set`, and
-    choose."""
+def measure(config, plan, device: torch.device, processes_here: int, train_set, batches) -> Choice:
+    """Time the candidates (precision, layout) the flags leave open, then the loading of `train_set`, then (where
+    `batches` says they can be) making batches on the device, and choose."""
     start = time.perf_counter()
     candidates = compute_candidates(config.amp, config.channels_last, device)
     share = torch.get_num_threads() if device.type == "cpu" else cores_per_process(processes_here)
     workers_to_choose = config.workers is None and (device.type != "cpu" or share > 1)
     to_fit = config.micro_batch is None and memory_limited(device)
-    if len(candidates) == 1 and not workers_to_choose and not to_fit:
+    possible = batches[0]
+    where_to_choose = possible and config.batches == "auto" and not config.workers  # --workers N: the loader
+    where = "device" if possible and config.batches == "device" else "loader"
+    if len(candidates) == 1 and not workers_to_choose and not to_fit and not where_to_choose:
         only = candidates[0]
-        return Choice(amp_flag(only), only.channels_last, config.workers or 0, micro_batch=given_micro_batch(config))
-    micro_batch, lines = fitting_micro_batch(config, plan, device, candidates[0]) if to_fit else (None, [])
+        return Choice(amp_flag(only), only.channels_last, config.workers or 0,
+                      micro_batch=given_micro_batch(config), batches=where)  # fmt: skip
+    held = held_bytes(train_set, config.img_size) if possible else 0  # beside the training, if chosen
+    micro_batch, lines = fitting_micro_batch(config, plan, device, candidates[0], held) if to_fit else (None, [])
     candidates = [replace(candidate, micro_batch=micro_batch or given_micro_batch(config)) for candidate in candidates]
     try:
         seconds = time_candidates(candidates, config, plan, device)
@@ -179,21 +206,30 @@ def measure(config, plan, device: torch.device, processes_here: int, train_set) 
     fastest = max(speeds, key=speeds.get)
     lines.append(measured_line(speeds, config, device))
     workers, load_ms = config.workers or 0, None
-    if workers_to_choose:
+    if workers_to_choose or where_to_choose:
         load = time_loading(train_set)
+        load_ms = round(load * 1000, 3)
+    if workers_to_choose:
         workers, why = choose_workers(device, share, 1 / speeds[fastest], load)
         lines.append(f"Auto: {why}")
-        load_ms = round(load * 1000, 3)
+    if where_to_choose:
+        making = device_seconds_per_image(train_set, config.batch_size, device, fastest.memory_format)
+        steps = steps_per_epoch(config, plan, get_world_size())
+        on_device, why = choose_batches(device, 1 / speeds[fastest], making, load, workers, share, steps)
+        where = "device" if on_device else "loader"
+        lines.append(f"Auto: {why}")
     elapsed = round(time.perf_counter() - start, 2)
     chose = f"chose {short_name(fastest)}, the fastest" if len(candidates) > 1 else f"{short_name(fastest)} as given"
     lines.append(f"Auto: {chose}; measuring took {elapsed:.1f} s")
     return Choice(
         amp_flag(fastest), fastest.channels_last, workers, {short_name(c): round(s, 2) for c, s in speeds.items()},
-        load_ms, elapsed, datetime.date.today().isoformat(), tuple(lines), fastest.micro_batch,
+        load_ms, elapsed, datetime.date.today().isoformat(), tuple(lines), fastest.micro_batch, where,
     )  # fmt: skip
 
 
-def fitting_micro_batch(config, plan, device: torch.device, hungriest: Compute) -> tuple[int | None, list[str]]:
+def fitting_micro_batch(
+    config, plan, device: torch.device, hungriest: Compute, held: int = 0
+) -> tuple[int | None, list[str]]:
     """The largest micro-batch of the run's model that fits `device` (None: the whole --batch-size), and the line
     saying so: forward and backward passes of the run's model on synthetic batches, in `hungriest`'s precision
     (float32, the candidate whose activations take most memory: autocast keeps many of them in 16 bits), alongside
@@ -203,7 +239,7 @@ def fitting_micro_batch(config, plan, device: torch.device, hungriest: Compute) 
         model = measured_model(config, len(plan.split.classes), device).to(memory_format=hungriest.memory_format)
         trained = [p for p in model.parameters() if p.requires_grad]
         copies = (2 if config.opt == "adamw" else 1) + (get_world_size() > 1)
-        reserve = copies * sum(p.numel() * p.element_size() for p in trained)
+        reserve = copies * sum(p.numel() * p.element_size() for p in trained) + held
         images = torch.randn(config.batch_size, 3, config.img_size, config.img_size, device=device)
         images = images.contiguous(memory_format=hungriest.memory_format)
         size = largest_that_fits(lambda m: pass_fits(model, hungriest, images[:m], reserve, train=True), len(images))
@@ -416,6 +452,7 @@ def cache_key(config, plan, device: torch.device, processes_here: int) -> dict:
     run = {name: getattr(config, name) for name in ("model", "img_size", "batch_size", "freeze_layers", "opt")}
     run["grad_checkpointing"] = config.grad_checkpointing
     run |= {name: getattr(config, name) for name in ("amp", "channels_last", "workers", "micro_batch", "auto_augment")}
+    run |= {"random_erase": config.random_erase, "batches": config.batches}
     run |= {"device": device.type, "processes_here": processes_here, "data": str(Path(plan.data_path).resolve())}
     return machine | run
 
@@ -433,7 +470,8 @@ def remembered(path: Path, key: dict) -> Choice | None:
         return None
     choice = Choice(**{name: found.get(name) for name in CHOICE_SHAPE})  # (fields a later version adds: not read)
     line = (
-        f"Auto: {short_name(choice.compute)}, {choice.workers} loader workers"
+        f"Auto: {short_name(choice.compute)}, "
+        + ("batches made on the device" if choice.batches == "device" else f"{choice.workers} loader workers")
         + (f", micro-batches of {choice.micro_batch}" if choice.micro_batch else "")
         + f", as measured on {choice.date} for "
         f"this machine and configuration ({path}; --remeasure measures again)"
@@ -455,6 +493,7 @@ def read_entries(path: Path) -> list[dict]:
         choice = entry["choice"]
         damage += [f"amp {choice['amp']!r} is no --amp"] * (choice["amp"] not in AMP_DTYPES)
         damage += [f"workers is {choice['workers']}"] * (choice["workers"] < 0)
+        damage += [f"batches {choice['batches']!r} is no --batches"] * (choice["batches"] not in ("device", "loader"))
     if damage:
         raise UserError(f"autotune cache {path} is damaged ({'; '.join(damage[:3])})")
     return cache["entries"]

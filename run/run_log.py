@@ -56,6 +56,7 @@ class RunLog:
             world_size=process.world_size, device=str(process.device), channels_last=compute.channels_last,
             amp=amp_flag(compute),  # what auto chose, so that predict.py and evaluate.py compute as the run did
             micro_batch=compute.micro_batch,  # what auto chose (None: the whole batch)
+            batches="device" if compute.on_device else "loader",  # where the training batches were made
             split=split_fingerprint(plan.split, plan.data_path),  # a resume checks it has the same images
             **plan.given,  # the run's --batch-size and --lr as given, and for how many processes
         )  # fmt: skip

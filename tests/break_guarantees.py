@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EQ, TR, DI = "tests/test_equivalence.py::", "tests/test_training.py::", "tests/test_distributed.py::"
 WI, WO = "tests/test_wiring.py::", "tests/test_words.py::"
 HS, GP = "tests/test_host_syncs.py::", "tests/test_gpu_path.py::"
-OG = "tests/test_one_gate.py::"
+OG, OD = "tests/test_one_gate.py::", "tests/test_on_device.py::"
 RESUME_MATRIX = (
     "tests/test_resume_matrix.py::test_every_interrupted_run_resumes_to_the_uninterrupted_runs_weights_and_metrics"
 )
@@ -49,7 +49,7 @@ BREAKS = [
     ("4 spawn ranks seeded differently", SPAWN_SCRIPT, "        train(config, plan, process)\n",
      "        train(type(config)(**{**vars(config), 'seed': config.seed + rank}), plan, process)\n", SAME_AS_SPAWN),
     ("5 augmentation from worker RNG", "dataset/sampling.py",
-     "yield [(index, sample_seed(self.seed, self.epoch, index)) for index in batch]", "yield list(batch)",
+     "yield list(zip(batch, sample_seeds(self.seed, self.epoch, batch).tolist(), strict=True))", "yield list(batch)",
      EQ + "test_augmented_tensors_do_not_depend_on_the_number_of_loader_workers"),
     ("6a shards padded with repeats", "multi_train_utils/distributed_utils.py", "seed=seed, drop_last=True",
      "seed=seed", SHARD_TEST),
@@ -62,6 +62,9 @@ BREAKS = [
      "return DistributedSampler(dataset, world_size, rank, shuffle=False)",
      DI + "test_validation_counts_every_image_once_whatever_the_world_size"),
     ("7b launch script: every rank validates all", LAUNCH, "sampler=val_sampler, ", "",
+     WI + "test_a_copied_block_is_statement_for_statement_in_its_scripts_train"),
+    ("7c launch script: every rank validates all it holds on the device", LAUNCH,
+     "ValidationBatches(val_set, val_sampler,", "ValidationBatches(val_set, range(len(val_set)),",
      TR + "test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights"),
     ("8a logged loss of rank 0 only", "multi_train_utils/bookkeeping.py",
      "self.work = all_reduce_in_background(values)", "self.work = None", STEP_TEST),
@@ -201,6 +204,20 @@ BREAKS = [
     ("14f layer decay one layer off", "model.py", "layer_decay ** (len(prefixes) - depth)",
      "layer_decay ** (len(prefixes) - depth - 1)",
      FT + "test_layer_decay_gives_the_head_the_full_rate_and_each_stage_before_it_f_times_the_next"),
+    # Batches made on the device (dataset/on_device.py, issue 43)
+    ("16a a crop box drawn from another seed", "dataset/on_device.py",
+     "np.array([seed for _, seed in pairs], dtype=np.uint64)",
+     "np.array([seed + 1 for _, seed in pairs], dtype=np.uint64)",
+     OD + "test_each_epochs_boxes_and_flips_on_the_device_are_the_loaders_integers"),
+    ("16b a host read in the batch's making", "dataset/on_device.py",
+     "        index, top, left, height, width, flipped = rows.unbind(1)\n",
+     "        index, top, left, height, width, flipped = rows.unbind(1)\n        int(index.max())\n",
+     NO_WAIT_STEP + "[off-plain-on-device]"),
+    ("16c the images held anew every epoch", "dataset/on_device.py",
+     "        batches = list(self.batch_sampler)  # this epoch's",
+     "        self.held = hold(self.dataset.dataset, self.size, self.held.pixels.device)\n"
+     "        batches = list(self.batch_sampler)  # this epoch's",
+     NO_WAIT_STEP + "[off-plain-on-device]"),
 ]  # fmt: skip
 
 

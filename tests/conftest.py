@@ -31,9 +31,10 @@ from run.autotune import CACHE_ENV  # noqa: E402
 
 # What auto would measure (run/autotune.py), pinned, so that no test run spends time measuring unless it
 # tests measuring: the precision and layout the suite has always trained in (bfloat16 where the CPU computes it
-# natively, NCHW at its 32 px), and no loader worker.
+# natively, NCHW at its 32 px), no loader worker, and the batches made on the device (the CPU here: the scripts'
+# path on a GPU; the tests of the loader's path give --batches loader).
 PINNED_COMPUTE = ["--amp", "bf16" if cpu_bfloat16()[0] else "off", "--no-channels-last"]
-PINNED = [*PINNED_COMPUTE, "--workers", "0"]
+PINNED = [*PINNED_COMPUTE, "--workers", "0", "--batches", "device"]
 # Settings that make a training run take seconds: tiny images, small batches, nothing measured, and ResNet-18:
 # what the runs test (launching, resuming, failing, seeding) does not depend on the network's depth, and ResNet-34's
 # 85 MB of weights make every checkpoint, optimizer step and gradient all-reduce twice as long. The tests that are

@@ -19,6 +19,7 @@ as on a GPU, as fast as Python goes, on any machine. What a real GPU would do di
   the device's queue to drain (to the host), or torch waits for the copy to finish (to the device, from memory
   that is not pinned). A copy to the host gives zeros: the values are not known. Copies that do not block are
   not counted.
+- Pinning host memory (Tensor.pin_memory, which needs a GPU's driver) gives a copy of the tensor.
 - torch.cuda.Event and torch.cuda.current_stream are stand-ins that remember the device each event was recorded
   on (`events`); torch.cuda.set_device is remembered (`current`); each GPU's random generator has a state of its
   own, and setting one that does not exist raises IndexError, as with that many real GPUs.
@@ -187,6 +188,9 @@ class FakeCuda(TorchDispatchMode):
         target = kwargs.get("device")
         target = None if target is None else torch.device(target)
         on_gpu = [tensor for tensor in tensors if tensor.device.type == "cuda"]
+        if func in (aten._pin_memory.default, aten.is_pinned.default):  # pinned host memory needs a GPU's driver
+            with _disable_current_modes():  # a real tensor on the host
+                return args[0].clone() if func is aten._pin_memory.default else False
         if not on_gpu and (target is None or target.type != "cuda"):
             with _disable_current_modes():  # host work: real tensors, computed
                 return func(*args, **kwargs)

@@ -22,7 +22,7 @@ from run.autotune import CACHE_ENV, Choice, cache_file, choose_workers, tune
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 FP32, FP32_CL = Compute(None, False), Compute(None, True)
 BF16, BF16_CL = Compute(torch.bfloat16, False), Compute(torch.bfloat16, True)
-AUTO = Config(model="resnet18", img_size=32, batch_size=8, workers=0)  # precision and layout left to auto
+AUTO = Config(model="resnet18", img_size=32, batch_size=8, workers=0, batches="loader")  # precision, layout: auto
 NOT_LOADED = None  # the training set tune times loading on: these tests give --workers, or fake its timing
 
 
@@ -51,7 +51,7 @@ def machine(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "time_candidates", time_candidates)
     # A GPU here is a name (the step is never run): the whole batch fits its memory (tests/test_micro_batch.py
     # checks the search itself, on the CPU with the out-of-memory condition substituted)
-    monkeypatch.setattr(autotune, "fitting_micro_batch", lambda config, plan, device, hungriest: (None, []))
+    monkeypatch.setattr(autotune, "fitting_micro_batch", lambda config, plan, device, hungriest, held=0: (None, []))
     threads = torch.get_num_threads()
     yield state
     torch.set_num_threads(threads)
@@ -164,7 +164,10 @@ def test_flags_that_say_everything_are_never_measured_nor_remembered(machine, pl
     pinned = replace(AUTO, amp="bf16", channels_last=True, workers=0, remeasure=True)
     assert tune(pinned, plan, CPU, 1, NOT_LOADED) == (0, BF16_CL)
     printed = capsys.readouterr().out
-    assert printed == "Precision: bfloat16 autocast (--amp bf16); memory layout channels_last (--channels-last)\n"
+    assert printed == (
+        "Precision: bfloat16 autocast (--amp bf16); memory layout channels_last (--channels-last)\n"
+        "Batches: made by the loader (--batches loader)\n"
+    )
     assert not cache_file().exists()
 
 
@@ -293,3 +296,27 @@ def test_on_a_gpu_auto_times_its_candidates(plan, monkeypatch, tmp_path, capsys)
     assert short_name(compute) == max(entry["choice"]["measured"], key=entry["choice"]["measured"].get)
     assert entry["key"]["gpu"] == torch.cuda.get_device_name(0) and workers == 0
     assert "on cuda (cuda:0)" in capsys.readouterr().out
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("making, on_device", [(1e-6, True), (1.0, False)], ids=["device-faster", "loader-faster"])
+def test_auto_makes_the_batches_where_it_measured_them_faster_says_so_and_remembers_it(
+    machine, plan, monkeypatch, capsys, making, on_device
+):
+    """Where the images fit on the device (substituted), auto times making a batch there (substituted: `making`
+    seconds an image) against loading (2 ms an image on one core) beside the measured step, and chooses."""
+    room = "4 images padded to 8 x 8 px: 0.00 GB, within half of the 1.0 GB free"
+    monkeypatch.setattr(autotune, "device_batches_possible", lambda *args: (True, room))
+    monkeypatch.setattr(autotune, "device_seconds_per_image", lambda *args: making)
+    monkeypatch.setattr(autotune, "time_loading", lambda train_set: 0.002)
+    monkeypatch.setattr(autotune, "steps_per_epoch", lambda *args: 10)
+    monkeypatch.setattr(autotune, "held_bytes", lambda *args: 1000)
+    config = replace(AUTO, batches="auto")
+    workers, compute = tune(config, plan, CPU, 1, NOT_LOADED)
+    printed = capsys.readouterr().out
+    assert compute.on_device is on_device and workers == 0
+    assert f"Auto: batches made {'on the device' if on_device else 'by the loader'}: there " in printed
+    if on_device:
+        assert f"Batches: made on the device (--batches auto), from the training images held there: {room}" in printed
+    assert tune(config, plan, CPU, 1, NOT_LOADED)[1].on_device is on_device  # remembered
+    assert "batches made on the device, as measured on" in capsys.readouterr().out or not on_device

@@ -56,7 +56,7 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     settings = results["settings"]
     assert "cores, torch kernels" in results["machine"] and settings["matmul_peak_flops"]["float32"] > 1e9
     assert 1e6 < settings["training_flops_per_image"] < 1e10  # ResNet-34 at 32 px: about 0.2 GFLOP
-    assert "| train_single_gpu.py, auto | 1 |" in result.stdout and "Matrix-product peak: float32" in result.stdout
+    assert "| train_single_gpu.py, auto (batches " in result.stdout and "Matrix-product peak: float32" in result.stdout
     assert "auto against the original's configuration (float32, NCHW): " in result.stdout
     assert "against the best fixed configuration (float32, NCHW): " in result.stdout
     assert "of the model-only ceiling" in result.stdout and "x the original's setup" in result.stdout
@@ -104,7 +104,8 @@ def test_rows_selects_kinds_and_each_row_is_on_disk_before_the_next_starts(tiny_
     out = tmp_path / "bench"
     on_disk = fake_measurements(monkeypatch, out)
     benchmark.main(small_benchmark(tiny_data, out, "--rows", "model-only"))  # auto runs whatever --rows says
-    auto, ceiling, synced = "train_single_gpu.py, auto", "model only (the ceiling)", "model only, loss.item() each step"
+    auto = "train_single_gpu.py, auto (batches by the loader)"
+    ceiling, synced = "model only (the ceiling)", "model only, loss.item() each step"
     assert on_disk == [[auto], [ceiling, auto], [ceiling, synced, auto]]  # in the table's order, auto last
     results = json.loads((out / "benchmark.json").read_text())
     assert [row["kind"] for row in results["rows"]] == ["model-only"] * 3 + ["auto"]

@@ -91,7 +91,9 @@ def test_a_resume_that_would_change_the_recipe_is_refused_and_leaves_the_run_as_
     assert {path: path.read_bytes() for path in before} == before
 
     # Speed flags may change: the recipe is the same.
-    resumed = run_script("train_single_gpu.py", *flags, "--workers", "1", "--resume", out / "checkpoint.pth")
+    resumed = run_script(
+        "train_single_gpu.py", *flags, "--workers", "1", "--batches", "loader", "--resume", out / "checkpoint.pth"
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 1
 

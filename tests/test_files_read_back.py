@@ -179,7 +179,7 @@ def autotune_file(tmp_path_factory):
     plan = SimpleNamespace(data_path=folder / "data", split=SimpleNamespace(classes=list("abcde")))
     with mock.patch.object(autotune, "cache_file", return_value=folder / "autotune.json"):
         with mock.patch.object(autotune, "measure", return_value=MEASURED):
-            cached_or_measured(AUTO, plan, CPU, 1, None)
+            cached_or_measured(AUTO, plan, CPU, 1, None, (False, ""))
     return (folder / "autotune.json").read_bytes(), plan
 
 
@@ -191,13 +191,13 @@ def test_a_damaged_autotune_cache_is_measured_again_with_one_warning_and_replace
     with damaged_copy("autotune.json", damage) as folder, mock.patch.object(autotune, "cache_file") as cache:
         path = cache.return_value = folder / "autotune.json"
         with mock.patch.object(autotune, "measure", return_value=MEASURED) as measure:
-            choice, warnings = warnings_of(lambda: cached_or_measured(AUTO, plan, CPU, 1, None))
+            choice, warnings = warnings_of(lambda: cached_or_measured(AUTO, plan, CPU, 1, None, (False, "")))
             assert (choice.amp, choice.channels_last, choice.workers) == ("off", False, 0)
             assert len(warnings) <= 1 and all("autotune.json" in line for line in warnings)
             if cut_inside_json(damage, original):
                 assert len(warnings) == 1 and measure.called
             assert len(read_entries(path)) >= 1  # replaced by a whole file, or left whole
-            again, warnings = warnings_of(lambda: cached_or_measured(AUTO, plan, CPU, 1, None))
+            again, warnings = warnings_of(lambda: cached_or_measured(AUTO, plan, CPU, 1, None, (False, "")))
             assert again.amp == "off" and not warnings and measure.call_count <= 1
 
 

@@ -63,7 +63,7 @@ def copy_of(data, tmp_path):
 
 # The images read from their files every epoch, as where they do not fit in memory: a file that vanishes after
 # the images were decoded once changes nothing
-FROM_FILES = ("--image-cache-gb", "0")
+FROM_FILES = ("--image-cache-gb", "0", "--batches", "loader")  # (held on the device, none is read again)
 
 
 def test_under_torchrun_vanished_images_are_skipped_on_every_rank_and_a_full_disk_stops_them_all(tiny_data, tmp_path):

@@ -48,7 +48,12 @@ from conftest import (
     torchrun,
 )
 
+from dataset.folders import read_split_data
+from dataset.transforms import IMAGENET_STD
+from multi_train_utils.distributed_utils import shuffled_batches
 from multi_train_utils.spawn_utils import find_free_port
+from my_dataset import TrainingBatches, datasets
+from recipe.config import Config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,6 +73,7 @@ LEARNING_BATCH = 32
 LEARNING = (
     "--epochs", "6", "--seed", "0", "--img-size", "32", "--batch-size", str(LEARNING_BATCH), "--lr", "0.01",
     "--model", "resnet34", "--workers", "0", "--model-ema", "--ema-decay", "0.9", "--device", "cuda",
+    "--batches", "device",
 )  # fmt: skip
 LEARNED = 0.45
 # One process of each launch mode: the recipe makes them compute the same steps (same seed, shards, batches, rate)
@@ -357,8 +363,8 @@ class TestWhatBreaksSilently:
             [ddp] = ddp
             assert ddp["backend"] == "nccl" and ddp["device"] == "cuda:0" and ddp["world_size"] == 1
             assert ddp["sync_bn"] > 0 and ddp["batch_norm"] == 0  # every BatchNorm2d converted to SyncBatchNorm2d
-        loaders = probe_records(records, "loader")
-        assert len(loaders) == 2 and all(loader["pin_memory"] for loader in loaders)  # training and validation, pinned
+        assert probe_records(records, "loader") == []  # the batches made on the GPU: no DataLoader
+        assert "Batches: made on the device (--batches device)" in result.stdout
 
     def test_one_process_of_every_launch_mode_logs_the_same_losses_and_accuracies(self, learning_run):
         """Epoch by epoch: the training loss (up to float rounding), the model's and its average's validation counts
@@ -594,9 +600,13 @@ def test_one_torchrun_cannot_put_two_processes_on_one_gpu(tiny_data, tmp_path):
 # ---------------------------------------------------------------------------------------------- one process, more
 
 
-def test_data_parallel_with_one_gpu_trains_the_plain_model(tiny_data, tmp_path):
+def test_data_parallel_with_one_gpu_trains_the_plain_model_fed_by_a_pinned_loader(tiny_data, tmp_path):
     out = tmp_path / "run"
-    result = train_single(tiny_data, out, "--device", "cuda", "--data-parallel", env=visible_gpus(1))
+    env, records = probe_env(tmp_path)
+    flags = ("--device", "cuda", "--data-parallel", "--batches", "loader", "--workers", "1")
+    result = train_single(tiny_data, out, *flags, env=env | visible_gpus(1))
+    loaders = probe_records(records, "loader")
+    assert len(loaders) == 2 and all(loader["pin_memory"] and loader["workers"] == 1 for loader in loaders)
     assert "--data-parallel: only one device (cuda:0) to run on, so the model trains as it is" in result.stdout
     assert_trained(out)
 
@@ -629,3 +639,29 @@ def test_compile_under_ddp_two_ranks_sharing_one_gpu_over_gloo_trains_and_saves_
     breaks = [output.count("Graph break") for output in outputs]
     print(f"graph breaks logged by rank 0 and rank 1: {breaks}")
     assert breaks[0] == breaks[1]  # the two ranks trace the same model alike
+
+
+# ---------------------------------------------------------------------------------------- batches made on the GPU
+
+
+def test_batches_made_on_the_gpu_are_the_cpus_to_rounding_and_take_the_same_memory_every_epoch(tiny_data):
+    """dataset/on_device.py on CUDA (float16 resampling) against the same code on the CPU (float32), epoch after
+    epoch: the same labels, images within a level of 255 of each other, in channels_last; and after the first
+    epoch, the GPU's allocated memory is the same at every epoch's end (nothing kept from step to step)."""
+    split = read_split_data(tiny_data)
+    train_set, _, _ = datasets(split, Config(img_size=32, batch_size=8))
+    made = {
+        device: TrainingBatches(train_set, shuffled_batches(train_set, 8, 0), device, torch.channels_last)
+        for device in ("cuda", "cpu")
+    }
+    level = 1 / (255 * min(IMAGENET_STD))  # one level of 255, normalised
+    allocated = []
+    for epoch in range(3):
+        for batches in made.values():
+            batches.batch_sampler.set_epoch(epoch)
+        for (gpu, gpu_labels), (cpu, cpu_labels) in zip(made["cuda"], made["cpu"], strict=True):
+            assert gpu.is_cuda and gpu.dtype == torch.float32 and gpu.is_contiguous(memory_format=torch.channels_last)
+            assert (gpu.cpu() - cpu).abs().max() <= level and torch.equal(gpu_labels, cpu_labels)
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert allocated[1] == allocated[2], allocated

@@ -22,9 +22,13 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from wiring import model_as_trained, training_as_built
 
 import multi_train_utils.sync_batchnorm as sync_batchnorm
+from dataset.in_memory import DecodedImages
+from dataset.sampling import SeededSamples
+from dataset.transforms import train_transform, val_transform
+from multi_train_utils.distributed_utils import shuffled_batches
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
-from my_dataset import SKIPPED
+from my_dataset import SKIPPED, MyDataSet, TrainingBatches, ValidationBatches
 from recipe.config import Config
 from recipe.precision import AMP_DTYPES, Compute
 
@@ -102,25 +106,58 @@ def epochs_of(kind: str, training, model, compute: Compute, device: torch.device
     return lambda data: train_one_epoch(training, data, device, next(epochs))
 
 
-def waits_per_epoch(run, waits: collections.Counter) -> tuple[collections.Counter, collections.Counter]:
-    """What `waits` gained during run(batches(2)) and during run(batches(4)), after one run to warm up (the first
-    step makes the optimizer's state, the EMA's first copy, ...)."""
+def made_on_device(kind: str, device: torch.device, compute: Compute):
+    """data(count): `count` batches of 4 made on `device` as the scripts make them there (dataset/on_device.py):
+    training batches cropped and flipped from images held on the device, or validation images held there, from
+    images decoded in memory (held_data)."""
+
+    def data(count: int):
+        train_set, val_set = held_data(count * 4)
+        if kind == "train":
+            return TrainingBatches(train_set, shuffled_batches(train_set, 4, 0), device, compute.memory_format)
+        return ValidationBatches(val_set, range(len(val_set)), 4, device)
+
+    return data
+
+
+def held_data(count: int, pixels: int = 32) -> tuple[SeededSamples, MyDataSet]:
+    """(training set, validation set) of `count` images of various sizes around 40 x 48, decoded in memory (no
+    files), with the scripts' transforms at `pixels`."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = torch.tensor([[36 + index % 7, 48 - index % 5] for index in range(count)])
+    sizes = 3 * shapes.prod(dim=1)
+    offsets = sizes.cumsum(dim=0) - sizes
+    flat = torch.randint(0, 256, (int(sizes.sum()),), dtype=torch.uint8, generator=generator)
+    names, labels = [f"image{index}.jpg" for index in range(count)], [index % CLASSES for index in range(count)]
+    sets = MyDataSet(names, labels, train_transform(pixels)), MyDataSet(names, labels, val_transform(pixels))
+    for data in sets:
+        data.decoded = DecodedImages(flat, offsets, shapes)
+    return SeededSamples(sets[0]), sets[1]
+
+
+def waits_per_epoch(run, waits: collections.Counter, data=None) -> tuple[collections.Counter, collections.Counter]:
+    """What `waits` gained during run(data(2)) and during run(data(4)) (data: `batches`, the loaders' host
+    batches, by default), after one run to warm up (the first step makes the optimizer's state, the EMA's first
+    copy, ...). The data is made before anything is counted."""
+    warm, short, long = ((data or batches)(count) for count in (2, 2, 4))
     counted = []
-    run(batches(2))
-    for count in (2, 4):
+    run(warm)
+    for made in (short, long):
         before = collections.Counter(waits)
-        run(batches(count))
+        run(made)
         counted.append(waits - before)
     return tuple(counted)
 
 
-def fake_cuda_waits(kind: str, amp: str, switches: dict) -> tuple[collections.Counter, collections.Counter]:
-    """waits_per_epoch of `kind` (epochs_of) on fake CUDA, as FakeCuda counts them. (Without evaluate's limit on
-    unreadable images: a fake confusion matrix reaches the host as zeros.)"""
+def fake_cuda_waits(kind: str, amp: str, switches: dict, on_device=False) -> tuple[collections.Counter, ...]:
+    """waits_per_epoch of `kind` (epochs_of) on fake CUDA, as FakeCuda counts them, the batches made by a loader
+    (on the host) or, `on_device`, on the device. (Without evaluate's limit on unreadable images: a fake confusion
+    matrix reaches the host as zeros.)"""
     with FakeCuda() as cuda:
         device = torch.device("cuda")
         training, model, compute = built(device, amp, switches)
-        return waits_per_epoch(epochs_of(kind, training, model, compute, device), cuda.waits)
+        data = made_on_device(kind, device, compute) if on_device else None
+        return waits_per_epoch(epochs_of(kind, training, model, compute, device), cuda.waits, data)
 
 
 PRECISIONS = ["off", "bf16", "fp16"]
@@ -131,18 +168,23 @@ def two_ranks(monkeypatch):
     monkeypatch.setattr(sync_batchnorm, "dist", TwoRanks)
 
 
+FEEDS = {"loader": False, "on-device": True}  # the batches made by a loader, or on the device (--batches)
+
+
+@pytest.mark.parametrize("feed", FEEDS)
 @pytest.mark.parametrize("switches", [{}, EVERY_SWITCH], ids=["plain", "every-switch"])
 @pytest.mark.parametrize("amp", PRECISIONS)
-def test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, two_ranks):
-    short, long = fake_cuda_waits("train", amp, switches)
+def test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, feed, two_ranks):
+    short, long = fake_cuda_waits("train", amp, switches, FEEDS[feed])
     assert long == short, f"the host waits for the device in each step: {long - short} more in 2 more steps"
     assert sum(long.values()) == 0, long  # nor once an epoch: the epoch's sums arrive without a blocking copy
 
 
+@pytest.mark.parametrize("feed", FEEDS)
 @pytest.mark.parametrize("switches", [{}, EVERY_SWITCH], ids=["plain", "every-switch"])
 @pytest.mark.parametrize("amp", PRECISIONS)
-def test_a_validation_batch_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, two_ranks):
-    short, long = fake_cuda_waits("validate", amp, switches)
+def test_a_validation_batch_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, feed, two_ranks):
+    short, long = fake_cuda_waits("validate", amp, switches, FEEDS[feed])
     assert long == short, f"the host waits for the device in each batch: {long - short} more in 2 more batches"
     assert long == {"blocking copy to the host": 1}  # the epoch's confusion matrix, once, at its end
 
@@ -183,13 +225,14 @@ class SyncWarnings:
         self.run, self.waits = run, collections.Counter()
 
     def __call__(self, data):
-        pinned = Batches([(images.pin_memory(), labels.pin_memory()) for images, labels in data], len(data) * 4)
+        if isinstance(data, Batches):  # a loader's batches: pinned, as the loaders pin them on a GPU
+            data = Batches([(images.pin_memory(), labels.pin_memory()) for images, labels in data], len(data) * 4)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                self.run(pinned)
+                self.run(data)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         self.waits["synchronizing CUDA operations"] += sum("synchronizing" in str(w.message) for w in caught)
@@ -197,13 +240,15 @@ class SyncWarnings:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("feed", FEEDS)
 @pytest.mark.parametrize("amp", PRECISIONS)
-def test_a_cuda_training_step_makes_no_host_sync_under_sync_debug_mode(amp, two_ranks):
+def test_a_cuda_training_step_makes_no_host_sync_under_sync_debug_mode(amp, feed, two_ranks):
     device = torch.device("cuda")
     if amp == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bfloat16")
     training, model, compute = built(device, amp, EVERY_SWITCH)
     for kind, limits in (("train", {}), ("validate", {"max_skipped": 1})):
         run = SyncWarnings(epochs_of(kind, training, model, compute, device, **limits))
-        short, long = waits_per_epoch(run, run.waits)
+        data = made_on_device(kind, device, compute) if FEEDS[feed] else None
+        short, long = waits_per_epoch(run, run.waits, data)
         assert long == short, f"{kind}: the host waits for the GPU in each step: {long - short} more in 2 more"

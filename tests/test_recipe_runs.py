@@ -42,6 +42,7 @@ MODELS = ["resnet18", "mobilenet_v3_small", "efficientnet_b0"]
 AUGMENT = (
     *("--auto-augment", "trivialaugment", "--random-erase", "0.5", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"),
     *("--label-smoothing", "0.1"),
+    *("--batches", "loader"),  # TrivialAugment and random erasing have no batched form on the device
 )
 EMA = ("--model", "resnet18", "--model-ema", "--ema-decay", "0.9", "--epochs", "2", *FAST)
 # Retention and accumulation share one run: 3 epochs, model-1.pth kept, 2 micro-batches a step.

@@ -13,6 +13,7 @@ MobileNetV3-Small on two ranks under torchrun and spawn; test_failures.py kills 
 import importlib
 import signal
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -157,6 +158,7 @@ def test_a_resume_with_another_micro_batch_says_so_as_it_decides_how_to_compute(
     # tune (run/autotune.py) decides the micro-batch, given or measured; then the run says what it changes
     monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # this test process's threads stay
     config = Config(model="resnet18", batch_size=8, lr=0.1, amp="off", channels_last=False, workers=0, micro_batch=4)
+    config = replace(config, batches="loader")  # nothing measured: no images to make batches of
     saved = {"batch_size": 8, "micro_batch": None, "world_size": 1, "recipe_world_size": 1}
     _, compute = tune(config, types.SimpleNamespace(saved=saved), torch.device("cpu"), 1, train_set=None)
     assert compute.micro_batch == 4

@@ -14,7 +14,7 @@ from multi_train_utils.distributed_utils import Process, shuffled_batches, val_s
 from multi_train_utils.stop_and_resume import ignore_stop_signals
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training
-from my_dataset import datasets
+from my_dataset import TrainingBatches, ValidationBatches, datasets
 from recipe.config import Config
 from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
@@ -23,9 +23,12 @@ from recipe.precision import Compute
 CPU = torch.device("cpu")
 
 
-def loaders(split, img_size: int, batch_size: int, seed: int, world_size=1, rank=0, workers=0, **augment):
+def loaders(
+    split, img_size: int, batch_size: int, seed: int, world_size=1, rank=0, workers=0, compute=Compute(), **augment
+):
     """(training loader, validation loader) of process `rank` of `world_size`, with `workers` loader workers and
-    the augmentation flags `augment` (auto_augment, random_erase)."""
+    the augmentation flags `augment` (auto_augment, random_erase); with compute.on_device, the batches made on the
+    device (the CPU) instead."""
     config = Config(img_size=img_size, batch_size=batch_size, seed=seed, **augment)
     plan, process, device = SimpleNamespace(split=split), Process(rank, world_size), CPU
     # statement for statement: train_multi_gpu_using_launch.py
@@ -36,9 +39,13 @@ def loaders(split, img_size: int, batch_size: int, seed: int, world_size=1, rank
     loading["pin_memory"] = device.type == "cuda"
     loading["worker_init_fn"] = ignore_stop_signals
     batches = shuffled_batches(train_set, config.batch_size, config.seed, process.rank, process.world_size)
-    train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
     val_sampler = val_shard(val_set, process.rank, process.world_size)
-    val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
+    if compute.on_device:
+        train_loader = TrainingBatches(train_set, batches, device, compute.memory_format)
+        val_loader = ValidationBatches(val_set, val_sampler, config.batch_size, device)
+    else:
+        train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
+        val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
     # end of train_multi_gpu_using_launch.py
     return train_loader, val_loader
 

@@ -21,6 +21,10 @@ their kind (benchmark.json's "kind"; --rows picks kinds, default all):
                  as the scripts decide; the row's "decoded" says how), iterated without a model: with 1 worker,
                  and with the workers the scripts use on this device (at least 1); images per second after the
                  first batches, at least --loader-images of them
+  peer           the bare training step (as the model-only rows take it) fed as torchvision's reference scripts
+                 and timm feed a GPU: an ImageFolder of the data, each image decoded, cropped and flipped with PIL
+                 and normalised in a loader worker, as many workers as cores, pinned memory, persistent workers;
+                 images per second over the epochs after the first (--epochs), epoch starts included
   profile        a torch.profiler trace of --profile-steps steps of the real loop (train_one_epoch fed by the
                  training loader, both built as train_single_gpu.py builds them, in what auto chose), from the start
                  of its second epoch: profile_trace.json.gz in --output-dir (Perfetto or chrome://tracing opens it),
@@ -35,6 +39,10 @@ their kind (benchmark.json's "kind"; --rows picks kinds, default all):
                  layout and workers left to auto, which measures them in this, its first run (the benchmark keeps
                  its own cache of auto's choices, in --output-dir, so every benchmark measures anew). It runs
                  first, whatever --rows says: the rows without a script use what it chose
+  paths          train_single_gpu.py with its batches made where auto did not choose to make them: on the device
+                 (--batches device) or by the loader (--batches loader, its workers left to auto); the auto row is
+                 the other path (a path that cannot run here, images too large for the device say, is left out
+                 with a line saying why)
   torchrun, spawn   the two DDP launch scripts with --nprocs processes, auto as in the auto row (--skip-ddp: none)
   demo           train_single_gpu.py --demo, its first run (--skip-demo: none): the demo's time and accuracy, and
                  what auto's measuring cost at the demo's size
@@ -78,18 +86,21 @@ from types import SimpleNamespace
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
+from torchvision import transforms as T
+from torchvision.datasets import ImageFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the project's modules, for `python tools/benchmark.py` from anywhere
 
 from dataset.demo import make_demo_data  # noqa: E402
 from dataset.folders import read_split_data  # noqa: E402
+from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
 from machine import describe_cpu, use_cores  # noqa: E402
 from model import create_model, data_parallel_over_gpus, initial_model  # noqa: E402
 from multi_train_utils.distributed_utils import resolve_device, shuffled_batches  # noqa: E402
 from multi_train_utils.stop_and_resume import ignore_stop_signals  # noqa: E402
 from multi_train_utils.train_eval_utils import Training, train_one_epoch  # noqa: E402
-from my_dataset import datasets  # noqa: E402
+from my_dataset import TrainingBatches, ValidationBatches, datasets  # noqa: E402
 from plot_results import plot_benchmark  # noqa: E402
 from recipe.config import DEMO_DEFAULTS, SINGLE, Config, parse_config  # noqa: E402
 from recipe.loss import build_objective  # noqa: E402
@@ -104,20 +115,8 @@ from utils import Parser, UserError, entry_point, number, write_json  # noqa: E4
 FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
 # The fixed configurations auto is compared with: --amp, channels_last
 # The kinds of row, in the order of the table (see the docstring)
-KINDS = (
-    "model-only",
-    "compile",
-    "loop",
-    "loader",
-    "profile",
-    "baseline",
-    "fixed",
-    "auto",
-    "torchrun",
-    "spawn",
-    "demo",
-    "predict",
-)
+KINDS = ("model-only", "compile", "loop", "loader", "peer", "profile", "baseline", "fixed", "auto", "paths", "torchrun",
+         "spawn", "demo", "predict")  # fmt: skip
 TABLE_HEADER = (
     "| configuration | processes | precision, layout | img/s | × baseline | % of peak | epoch (s) "
     "| first epoch (s) | peak RSS / process (MiB) |\n|---|---:|---|---:|---:|---:|---:|---:|---:|"
@@ -272,7 +271,7 @@ def _loader(queue, split, img_size, batch_size, workers, images, start_method, d
     over as many epochs as that takes."""
     multiprocessing.set_start_method(start_method, force=True)
     config = parse_config(SINGLE, "", ["--img-size", str(img_size), "--batch-size", str(batch_size)])
-    train_loader, decoded = training_loader(split, config, workers, device)
+    train_loader, _, decoded = training_loader(split, config, workers, device, Compute())  # the loader's batches
     batches = batches_over_epochs(train_loader)
     for _ in range(max(2, workers)):
         next(batches)
@@ -285,9 +284,10 @@ def _loader(queue, split, img_size, batch_size, workers, images, start_method, d
     )
 
 
-def training_loader(split, config, workers: int, device: torch.device) -> tuple[DataLoader, str]:
-    """The training loader as train_single_gpu.py builds it, for `config` (a Config) and `workers` loader workers
-    on `device`, and the line saying whether its images were decoded once into memory."""
+def training_loader(split, config, workers: int, device: torch.device, compute: Compute) -> tuple:
+    """The training and validation loaders as train_single_gpu.py builds them, for `config` (a Config) and
+    `workers` loader workers on `device` computing as `compute` says (batches made on the device where
+    compute.on_device), and the line saying whether the images were decoded once into memory."""
     plan = SimpleNamespace(split=split)
     # statement for statement: train_single_gpu.py
     train_set, val_set, decoded = datasets(plan.split, config, 1)
@@ -297,12 +297,18 @@ def training_loader(split, config, workers: int, device: torch.device) -> tuple[
     loading["pin_memory"] = device.type == "cuda"
     loading["worker_init_fn"] = ignore_stop_signals
     batches = shuffled_batches(train_set, config.batch_size, config.seed)
-    train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
+    val_sampler = range(len(val_set))
+    if compute.on_device:
+        train_loader = TrainingBatches(train_set, batches, device, compute.memory_format)
+        val_loader = ValidationBatches(val_set, val_sampler, config.batch_size, device)
+    else:
+        train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
+        val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
     # end of train_single_gpu.py
-    return train_loader, decoded
+    return train_loader, val_loader, decoded
 
 
-def _profile(queue, split, img_size, batch_size, amp, channels_last, workers, steps, start_method, device, folder):
+def _profile(queue, split, img_size, batch_size, compute, workers, steps, start_method, device, folder):
     """In a fresh process: the training loop as train_single_gpu.py builds it (its data, loader, model and recipe
     at their default settings, in the precision, layout and loader workers auto chose, given here), its first
     epoch untraced, then `steps` steps traced by torch.profiler (tools/profile_steps.py): the trace in `folder`,
@@ -311,9 +317,9 @@ def _profile(queue, split, img_size, batch_size, amp, channels_last, workers, st
     sys.stdout = open(os.devnull, "w")  # the progress bars
     device = resolve_device(device)
     config = parse_config(SINGLE, "", ["--img-size", str(img_size), "--batch-size", str(batch_size)])
-    plan, compute = SimpleNamespace(split=split, weights=None), Compute(AMP_DTYPES[amp], channels_last)
+    plan = SimpleNamespace(split=split, weights=None)
     use_cores(device, 1, batch_size, workers)  # the compute threads tune() leaves beside the workers
-    train_loader, decoded = training_loader(split, config, workers, device)
+    train_loader, _, decoded = training_loader(split, config, workers, device, compute)
     # statement for statement: train_single_gpu.py
     model = initial_model(
         config.model, len(plan.split.classes), device, compute.memory_format,
@@ -638,12 +644,12 @@ def profile_rows(args, split, compute: Compute, workers: int):
     if "profile" not in args.rows:
         return
     device = torch.device(args.device)
-    measure = (split, args.img_size, args.batch_size, amp_flag(compute), compute.channels_last, workers,
-               args.profile_steps, multiprocessing.get_start_method(), args.device,
-               args.output_dir.resolve())  # fmt: skip
+    measure = (split, args.img_size, args.batch_size, compute, workers, args.profile_steps,
+               multiprocessing.get_start_method(), args.device, args.output_dir.resolve())  # fmt: skip
     measured = in_fresh_process("profile", _profile, *measure)
     print(printed(measured, device), flush=True)
-    yield row(f"profile: train_one_epoch, {worker_phrase(workers)}", "profile", 1, described(compute), measured)
+    feeding = "batches made on the device" if compute.on_device else worker_phrase(workers)
+    yield row(f"profile: train_one_epoch, {feeding}", "profile", 1, described(compute), measured)
 
 
 def auto_run(args) -> tuple[dict, Compute, int]:
@@ -656,7 +662,8 @@ def auto_run(args) -> tuple[dict, Compute, int]:
     log = (args.output_dir / "logs" / "auto.log").read_text()
     workers = int(re.search(r"(\d+) loader workers per process", log).group(1))
     measured["measure_seconds"] = measuring_seconds(args.img_size, args.batch_size)
-    return measured, Compute(AMP_DTYPES[record["amp"]], record["channels_last"]), workers
+    compute = Compute(AMP_DTYPES[record["amp"]], record["channels_last"], on_device=record.get("batches") == "device")
+    return measured, compute, workers
 
 
 def layout_flag(channels_last: bool) -> str:
@@ -673,19 +680,20 @@ def measuring_seconds(img_size: int, batch_size: int) -> float | None:
     return None
 
 
-def fixed_rows(args, names: list[str], workers: int, peaks: dict, flops: float):
-    """train_single_gpu.py in each fixed precision and layout, with the loader workers auto chose: what auto's
-    choice of precision and layout is compared with. Each row is yielded as soon as it is measured."""
+def fixed_rows(args, names: list[str], workers: int, batches: str, peaks: dict, flops: float):
+    """train_single_gpu.py in each fixed precision and layout, fed as auto chose (`batches`: "device" or "loader",
+    with its loader workers): what auto's choice of precision and layout is compared with. Each row is yielded as
+    soon as it is measured."""
     for name in names:
         amp, channels_last = FIXED[name]
         compute = Compute(AMP_DTYPES[amp], channels_last)
-        flags = ["--amp", amp, layout_flag(channels_last), "--workers", str(workers)]
+        flags = ["--amp", amp, layout_flag(channels_last), "--workers", str(workers), "--batches", batches]
         measured = run_script(args, f"fixed-{name}", [str(ROOT / "train_single_gpu.py")], flags)
         yield row(f"fixed: {short_name(compute)}", "fixed", 1, described(compute), measured,
                   peaks[peak_name(compute.amp_dtype)], flops)  # fmt: skip
 
 
-def script_rows(args, workers: int, nprocs: int, peaks: dict, flops: float):
+def script_rows(args, workers: int, batches: str, nprocs: int, peaks: dict, flops: float):
     """The training scripts end to end but auto's run (measured first), each row yielded as soon as it is measured
     (those of the kinds in --rows): the original's setup, the fixed configurations, the two DDP launch scripts
     (precision and layout left to auto, which measures for them anew: each process has its share of the cores)
@@ -694,10 +702,12 @@ def script_rows(args, workers: int, nprocs: int, peaks: dict, flops: float):
     if "baseline" in args.rows:
         original_workers = min(os.cpu_count() or 1, args.batch_size, 8)  # the original's num_workers
         baseline = ["--amp", "off", "--no-channels-last", "--no-persistent-workers", "--workers", str(original_workers)]
+        baseline += ["--batches", "loader"]
         yield row("baseline: the original's setup", "baseline", 1, "float32, NCHW",
                   run_script(args, "baseline", single, baseline), peaks["float32"], flops)  # fmt: skip
-    yield from fixed_rows(args, args.fixed, workers, peaks, flops)
+    yield from fixed_rows(args, args.fixed, workers, batches, peaks, flops)
     ours_flags = ["--amp", args.amp] + ([] if args.channels_last is None else [layout_flag(args.channels_last)])
+    yield from path_rows(args, ours_flags, batches, peaks, flops)
     if "torchrun" in args.rows:
         torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
         launch = [*torchrun, str(ROOT / "train_multi_gpu_using_launch.py")]
@@ -713,6 +723,61 @@ def script_rows(args, workers: int, nprocs: int, peaks: dict, flops: float):
         demo = run_script(args, "demo", single, [], demo=True)
         demo["measure_seconds"] = measuring_seconds(DEMO_DEFAULTS["img_size"], DEMO_DEFAULTS["batch_size"])
         yield row("train_single_gpu.py --demo, its first run", "demo", 1, as_run(args, "demo", peaks)[0], demo)
+
+
+def path_rows(args, flags: list[str], chosen: str, peaks: dict, flops: float):
+    """train_single_gpu.py with its batches made on the device, or by the loader: the path auto did not choose
+    (`chosen`: its row is auto's), if --rows has "paths", as auto's row otherwise; a path the script refuses here
+    (the images do not fit on the device, say) is left out with the script's line saying why."""
+    if "paths" not in args.rows:
+        return
+    for path in {"device", "loader"} - {chosen}:
+        try:
+            measured = run_script(
+                args, f"batches-{path}", [str(ROOT / "train_single_gpu.py")], [*flags, "--batches", path]
+            )
+        except UserError as failed:
+            print(f"  --batches {path}: left out ({failed})", flush=True)
+            continue
+        precision, peak = as_run(args, f"batches-{path}", peaks)
+        yield row(f"train_single_gpu.py, --batches {path}", "paths", 1, precision, measured, peak, flops)
+
+
+def _peer(queue, data_path, img_size, batch_size, compute, device, epochs):
+    """In a fresh process: the bare training step fed as torchvision's reference scripts and timm feed a GPU (an
+    ImageFolder, PIL crops and flips per image, ToTensor and Normalize, in as many loader workers as cores,
+    pinned, persistent), `epochs` epochs over every image of `data_path`; images per second over the epochs after
+    the first, each epoch timed from its first batch asked for to its last step finished on the device."""
+    device = resolve_device(device)
+    augment = T.Compose([T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(),
+                         T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])  # fmt: skip
+    dataset = ImageFolder(data_path, transform=augment)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    loader = DataLoader(dataset, batch_size, shuffle=True, num_workers=cores, pin_memory=device.type == "cuda",
+                        persistent_workers=True, drop_last=True)  # fmt: skip
+    model = initial_model("resnet34", len(dataset.classes), device, compute.memory_format)
+    optimizer, _ = build_optimizer(model, parse_config(SINGLE, "", []), batches_per_epoch=len(loader))
+    scaler, images_seen, seconds = compute.grad_scaler(device), 0, 0.0
+    model.train()
+    for epoch in range(epochs):
+        start = time.perf_counter()
+        for images, labels in loader:
+            images = images.to(device, non_blocking=True, memory_format=compute.memory_format)
+            training_step(model, optimizer, scaler, compute, images, labels.to(device, non_blocking=True))
+            images_seen += len(labels) if epoch else 0
+        synchronize(device)
+        seconds += time.perf_counter() - start if epoch else 0.0
+    queue.put({"img_per_sec": images_seen / seconds, "workers": cores, **peak_memory(device)})
+
+
+def peer_rows(args, compute: Compute, peaks: dict, flops: float):
+    """The peer-style loader's row (if --rows has it), in what auto chose."""
+    if "peer" not in args.rows:
+        return
+    measured = in_fresh_process("peer", _peer, args.data_path, args.img_size, args.batch_size, compute, args.device,
+                                args.epochs)  # fmt: skip
+    name = f"peer-style: ImageFolder, PIL, {worker_phrase(measured['workers'])}, pinned"
+    yield row(name, "peer", 1, described(compute), measured, peaks[peak_name(compute.amp_dtype)], flops)
 
 
 def as_run(args, name: str, peaks: dict) -> tuple[str, float]:
@@ -804,12 +869,15 @@ def main(argv=None):
     print(f"\nRows as they are measured (of {', '.join(args.rows)}), each written to {results} at once:")
     print(TABLE_HEADER, flush=True)
     peak_auto = peaks[peak_name(compute.amp_dtype)]
-    record(benchmark, row("train_single_gpu.py, auto", "auto", 1, described(compute), auto, peak_auto, flops), results)
+    where = "batches made on the device" if compute.on_device else "batches by the loader"
+    auto_row = row(f"train_single_gpu.py, auto ({where})", "auto", 1, described(compute), auto, peak_auto, flops)
+    record(benchmark, auto_row, results)
     measured_rows = itertools.chain(
         in_memory_rows(args, compute, peaks, flops),
         loader_rows(args, split, workers),
+        peer_rows(args, compute, peaks, flops),
         profile_rows(args, split, compute, workers),
-        script_rows(args, workers, nprocs, peaks, flops),
+        script_rows(args, workers, "device" if compute.on_device else "loader", nprocs, peaks, flops),
         predict_rows(args, nprocs, peaks, benchmark["rows"]),
     )
     for measured in measured_rows:  # each row measured, then recorded, before the next starts

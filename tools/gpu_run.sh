@@ -16,7 +16,8 @@
 #                                     $OUT/bench.log
 #   run NAME LIMIT SCRIPT FLAGS...    a training script on the JPEG folder (--device cuda), timed from the command
 #                                     to its end (the last weights file written); its metrics.jsonl copied to
-#                                     $OUT/run_NAME.jsonl, its log to $OUT/bench.log
+#                                     $OUT/run_NAME.jsonl, its log to $OUT/bench.log, each line stamped with the
+#                                     time it came (so the gaps between epochs' lines show what lies between them)
 # A step gets LIMIT seconds, or what is left of GPU_RUN_BUDGET (default 560) less 15 s, whichever is less; one with
 # under 30 s is skipped. A failed step is recorded and the next one still runs; the command ends with status 0 only
 # if every step succeeded.
@@ -166,8 +167,11 @@ run_step() { # run NAME LIMIT SCRIPT FLAGS...
     note "run $name: ${command[*]} (at most $limit s)"
     mkdir -p "$dir"
     local begun=$EPOCHREALTIME
-    timeout -k 10 "$limit" "${command[@]}" >"$dir/log" 2>&1
-    local status=$?
+    # each line of its output stamped with the time it came (seconds since the epoch): the gaps between epochs' lines
+    timeout -k 10 "$limit" "${command[@]}" 2>&1 | "$PY" -u -c 'import sys, time
+for line in sys.stdin:
+    print(f"{time.time():.3f} {line}", end="")' >"$dir/log"
+    local status=${PIPESTATUS[0]}
     local seconds
     seconds=$(awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $begun }")
     copy_new "$dir/run/metrics.jsonl" "$OUT/run_$name.jsonl"

@@ -1,0 +1,241 @@
+"""Batches made on the device (--batches device): the images of a run held where the model trains, as 8-bit
+pixels, and each training batch cropped, resized, flipped and normalised there, in a few operations on the whole
+batch; no loader processes, nothing copied to the device but the epoch's crop boxes, once an epoch.
+
+Training (TrainingBatches): the training images stand in one tensor on the device, each padded to the largest
+height and width (HeldImages). At each epoch's start, every image of this process's shard gets its crop box and
+flip, exactly as the loader's RandomResizedCrop and RandomHorizontalFlip would draw them from its seed
+(dataset/crop_boxes.py: the same integers). A batch is then the images gathered by index, resampled to the crop
+size by two batched matrix products (resized_crops: the weights of torch's antialiased bilinear interpolation,
+rows then columns; a flip is the column weights in reverse), and normalised in the step's memory layout.
+
+Validation (ValidationBatches): this process's validation images resized and centre-cropped once, at the start, by
+the validation transform itself (the same pixels as the loader's), kept on the device; a batch is a slice, as 8-bit
+pixels, which the loop normalises as it does the loader's.
+
+Both stand in for a DataLoader where train_one_epoch and evaluate take one: their length, their dataset, their
+batch sampler (set_epoch, and start_at where a resumed run continues an epoch), and batches of (images on the
+device, labels on the host). On the CPU the same code runs, the training process making each batch itself.
+"""
+
+import math
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from torchvision.transforms import v2
+
+from dataset.crop_boxes import draw
+from dataset.images import load_rgb
+from dataset.in_memory import in_chunks
+from dataset.transforms import normalise_pixels
+from machine import cores_per_process
+
+# The label of an image that could not be read during a run (deleted or broken after the start-up check): the
+# loss ignores it (nn.CrossEntropyLoss's ignore_index), evaluation leaves it out of its counts. my_dataset gives it.
+SKIPPED = -100
+
+
+class HeldImages:
+    """A MyDataSet's images on `device`: `pixels` (images, height + taps, width + taps, 3) uint8, image i in its
+    top-left corner, zeros around it (the `taps` more rows and columns let every resampling weight fall inside);
+    `sizes` each image's (height, width) and `labels` its class (SKIPPED: unreadable), both in host memory."""
+
+    def __init__(self, pixels: torch.Tensor, sizes: np.ndarray, labels: np.ndarray, taps: int):
+        self.pixels, self.sizes, self.labels, self.taps = pixels, sizes, labels, taps
+
+    @property
+    def bytes(self) -> int:
+        return self.pixels.numel()
+
+
+def resampling_taps(largest_side: int, size: int) -> int:
+    """The most input pixels one output pixel of an antialiased bilinear resize to `size` reads, over any crop of
+    a side up to `largest_side`: the filter spans twice the downscaling factor (at least 1), plus one."""
+    return math.ceil(2 * max(1.0, largest_side / size)) + 1
+
+
+def held_size(data, size: int) -> tuple[int, int, int]:
+    """(bytes, padded height, padded width) of `data`'s images held as HeldImages for crops of `size`, from their
+    decoded sizes (DecodedImages.shapes) alone."""
+    shapes = data.decoded.shapes
+    height, width = (int(side) for side in shapes.max(dim=0).values.tolist()) if len(shapes) else (1, 1)
+    taps = resampling_taps(max(height, width), size)
+    return len(shapes) * (height + taps) * (width + taps) * 3, height + taps, width + taps
+
+
+def hold(data, size: int, device: torch.device, indices=None) -> HeldImages:
+    """`data`'s images (a MyDataSet whose images were decoded once: DecodedImages), or those of `indices`, in one
+    padded tensor on `device`, copied there a chunk at a time. An image that was not decoded is read from its file
+    now; one that cannot be read is left black and labelled SKIPPED, with a warning naming it (as MyDataSet does
+    when it meets one)."""
+    _, padded_height, padded_width = held_size(data, size)
+    taps = resampling_taps(int(data.decoded.shapes.max()) if len(data) else 1, size)
+    indices = list(range(len(data))) if indices is None else list(indices)
+    pixels = torch.zeros((len(indices), padded_height, padded_width, 3), dtype=torch.uint8, device=device)
+    sizes = np.zeros((len(indices), 2), dtype=np.int64)
+    labels = np.array([data.images_class[index] for index in indices], dtype=np.int64)
+    chunk = 64
+    for start in range(0, len(indices), chunk):
+        part = torch.zeros((min(chunk, len(indices) - start), padded_height, padded_width, 3), dtype=torch.uint8)
+        for row in range(len(part)):
+            image = decoded_pixels(data, indices[start + row])
+            if image is None:
+                labels[start + row] = SKIPPED
+                continue
+            sizes[start + row] = image.shape[:2]
+            part[row, : image.shape[0], : image.shape[1]] = image
+        pixels[start : start + len(part)] = part.to(device)
+    return HeldImages(pixels, sizes, labels, taps)
+
+
+def decoded_pixels(data, index: int) -> torch.Tensor | None:
+    """Image `index` of `data` as height x width x 3 bytes: from memory, else from its file; None (warned of) if it
+    cannot be read."""
+    image = data.decoded[index]
+    if image is not None:
+        return image.permute(1, 2, 0)
+    try:
+        return torch.from_numpy(np.asarray(load_rgb(data.images_path[index], data.min_side)).copy())
+    except Exception as error:  # PIL raises many types for a file that is gone or no longer an image
+        print(f"warning: skipped unreadable image {data.images_path[index]} ({type(error).__name__}: {error})",
+              file=sys.stderr)  # fmt: skip
+        return None
+
+
+class TrainingBatches:
+    """The training batches of `batch_sampler` (a SeededBatchSampler: lists of (index, seed)) of `dataset` (a
+    SeededSamples), made on `device` from its images held there (HeldImages: `held`, or all of them, held now) by
+    its own crop and flip (its transform's RandomResizedCrop and RandomHorizontalFlip, as they would draw), square
+    at the crop's size, normalised, in `memory_format`. Batches are (images on the device, labels in host
+    memory)."""
+
+    def __init__(self, dataset, batch_sampler, device, memory_format=torch.contiguous_format, held=None):
+        self.dataset, self.batch_sampler, self.memory_format = dataset, batch_sampler, memory_format
+        self.crop, self.flip = crop_and_flip(dataset.dataset.transform)
+        self.size = self.crop.size[0]
+        self.held = held if held is not None else hold(dataset.dataset, self.size, torch.device(device))
+
+    def __len__(self):
+        return len(self.batch_sampler)
+
+    def __iter__(self):
+        batches = list(self.batch_sampler)  # this epoch's (from where start_at says), each index with its seed
+        pairs = [pair for batch in batches for pair in batch]
+        if not pairs:
+            return
+        index = np.array([i for i, _ in pairs], dtype=np.int64)
+        plan, labels = self.plan(index, np.array([seed for _, seed in pairs], dtype=np.uint64))
+        start = 0
+        for batch in batches:
+            yield self.crops(plan[start : start + len(batch)]), labels[start : start + len(batch)]
+            start += len(batch)
+
+    def plan(self, index: np.ndarray, seeds: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each image's row (index, top, left, height, width, flip) on the device, its box and flip drawn from its
+        seed, and the labels in host memory: for a whole epoch at once, so that it is one copy to the device."""
+        sizes = self.held.sizes[index]
+        boxes, flips = draw(self.crop, self.flip, seeds, sizes[:, 0], sizes[:, 1])
+        plan = torch.from_numpy(np.concatenate([index[:, None], boxes, flips[:, None]], axis=1))
+        labels = torch.from_numpy(self.held.labels[index])
+        device = self.held.pixels.device
+        if device.type == "cuda":  # pinned, the copy is queued and the host waits for nothing
+            plan, labels = plan.pin_memory(), labels.pin_memory()
+        return plan.to(device, non_blocking=True), labels
+
+    def make(self, index: np.ndarray, seeds: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch of images `index` (of the held ones) with augmentation `seeds` (auto times this)."""
+        plan, labels = self.plan(index, seeds)
+        return self.crops(plan), labels
+
+    def crops(self, rows: torch.Tensor) -> torch.Tensor:
+        """The batch of `rows` (index, top, left, height, width, flip; on the device), normalised."""
+        index, top, left, height, width, flipped = rows.unbind(1)
+        pixels = resized_crops(
+            self.held.pixels, self.held.taps, index, top, left, height, width, flipped.bool(), self.size
+        )
+        return normalise_pixels(pixels, self.memory_format)
+
+
+def crop_and_flip(transform: v2.Compose) -> tuple[v2.RandomResizedCrop, v2.RandomHorizontalFlip]:
+    """The RandomResizedCrop and RandomHorizontalFlip of a training transform that has nothing else random
+    (dataset/transforms.py's train_transform without --auto-augment or --random-erase); ValueError otherwise."""
+    steps = [step for step in transform.transforms if not isinstance(step, v2.ToImage)]
+    if (
+        len(steps) != 2
+        or not isinstance(steps[0], v2.RandomResizedCrop)
+        or type(steps[1]) is not v2.RandomHorizontalFlip
+    ):
+        raise ValueError(f"not a plain crop and flip: {transform}")
+    return steps[0], steps[1]
+
+
+def resized_crops(pixels, taps: int, index, top, left, height, width, flipped, size: int) -> torch.Tensor:
+    """Images `index` of `pixels` (HeldImages.pixels, padded by `taps`), each its box (top, left, height, width)
+    resized to `size` x `size` with antialiasing, as torch's interpolate(mode="bilinear", antialias=True) resizes
+    the cropped image (torchvision's resized_crop), and flipped left to right where `flipped`: (images, 3, size,
+    size), pixel values 0-255, in float16 on a GPU (float32 on the CPU).
+
+    Separable, as interpolate's antialiased filter is: the rows first (a matrix of weights per image, size x
+    padded height, times the image), then the columns; two batched matrix products, whose weights are zero outside
+    each image's box."""
+    dtype = torch.float16 if pixels.device.type == "cuda" else torch.float32
+    batch, padded_height, padded_width = len(index), pixels.shape[1], pixels.shape[2]
+    images = pixels[index].to(dtype)  # (batch, padded height, padded width, 3)
+    rows = resampling_weights(top, height, size, padded_height, taps, None, dtype)
+    columns = resampling_weights(left, width, size, padded_width, taps, flipped, dtype)
+    resized_rows = torch.bmm(rows, images.view(batch, padded_height, padded_width * 3))
+    by_channel = resized_rows.view(batch, size, padded_width, 3).transpose(2, 3).reshape(batch, size * 3, padded_width)
+    resized = torch.bmm(by_channel, columns.transpose(1, 2))  # (batch, row, channel, column)
+    return resized.view(batch, size, 3, size).permute(0, 2, 1, 3)
+
+
+def resampling_weights(start, length, size: int, padded: int, taps: int, flipped, dtype) -> torch.Tensor:
+    """(len(start), size, padded): for each image, output pixel i's weights over its input pixels, those of the
+    span start .. start + length - 1 (a row's or column's part of the box), as interpolate's antialiased bilinear
+    filter weighs them (aten's _compute_indices_min_size_weights_aa): a triangle as wide as the downscaling factor
+    (at least 1) around the input position of i's centre, normalised to sum to 1. Flipped images take their
+    outputs in reverse. Computed on the device for the `taps` input pixels from the first that can weigh (aten's
+    xmin), then placed in a matrix of zeros (the padding leaves room for the last tap of the last pixel)."""
+    device = start.device
+    scale = length.double() / size  # input pixels per output pixel
+    support = torch.clamp(scale, min=1.0)  # the filter's half-width, in input pixels
+    outputs = torch.arange(size, device=device, dtype=torch.float64)
+    if flipped is not None:
+        outputs = torch.where(flipped[:, None], size - 1 - outputs, outputs)
+    centre = scale[:, None] * (outputs + 0.5)  # (batch, size): in the span's coordinates
+    first = torch.clamp(torch.floor(centre - support[:, None] + 0.5), min=0)
+    position = first[:, :, None] + torch.arange(taps, device=device, dtype=torch.float64)  # (batch, size, taps)
+    weight = torch.clamp(1 - torch.abs((position - centre[:, :, None] + 0.5) / support[:, None, None]), min=0)
+    weight = weight * (position < length[:, None, None])  # inside the span
+    weight = weight / weight.sum(dim=2, keepdim=True)
+    columns = (position + start[:, None, None]).long()  # distinct, and below `padded`: HeldImages' padding
+    images = torch.arange(len(start), device=device)[:, None, None]
+    dense = torch.zeros((len(start), size, padded), dtype=dtype, device=device)
+    # index_put_ rather than scatter_: deterministic on a GPU too (torch.use_deterministic_algorithms)
+    return dense.index_put_((images, torch.arange(size, device=device)[None, :, None], columns), weight.to(dtype))
+
+
+class ValidationBatches:
+    """The validation batches of process's shard `indices` of `dataset` (a MyDataSet with the validation
+    transform), `batch_size` a batch, in that order: each image transformed once, at the start (by `workers`
+    threads), and kept on `device` as 8-bit pixels; a batch is a slice, (images, labels in host memory). An image
+    that cannot be read is black and labelled SKIPPED, as MyDataSet gives it."""
+
+    def __init__(self, dataset, indices, batch_size: int, device: torch.device, workers: int | None = None):
+        self.dataset, self.indices, self.batch_size = dataset, list(indices), batch_size
+        self.batch_sampler = None
+        with ThreadPoolExecutor(workers or cores_per_process(1)) as pool:
+            items = in_chunks(pool, dataset.__getitem__, self.indices)
+        side = dataset.transform.transforms[-1].size[0] if items == [] else items[0][0].shape[-1]
+        pixels = torch.stack([image for image, _ in items]) if items else torch.zeros((0, 3, side, side), torch.uint8)
+        self.pixels = pixels.to(device)
+        self.labels = torch.tensor([label for _, label in items], dtype=torch.int64)
+
+    def __len__(self):
+        return math.ceil(len(self.indices) / self.batch_size)
+
+    def __iter__(self):
+        for start in range(0, len(self.indices), self.batch_size):
+            yield self.pixels[start : start + self.batch_size], self.labels[start : start + self.batch_size]

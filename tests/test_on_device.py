@@ -1,0 +1,165 @@
+"""Batches made on the device (dataset/on_device.py, --batches device) are the loader's batches: the same crop boxes
+and flips, drawn from the same seeds (the same integers); the same resampling, to rounding; the same validation
+pixels; and on N ranks the shards of one process's global batch. On the CPU (the same code runs on a GPU: the
+host-sync tests run it on fake CUDA, tests/test_gpu.py on a real one)."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+from wiring import loaders
+
+import dataset.on_device as on_device
+from dataset.crop_boxes import draw, drawn_by_the_transforms
+from dataset.folders import read_split_data
+from dataset.on_device import resampling_taps, resized_crops
+from dataset.sampling import sample_seed, sample_seeds
+from recipe.precision import Compute
+from run.batches import choose_batches
+
+pytestmark = pytest.mark.fast
+EXAMPLES = settings(max_examples=25, derandomize=True, deadline=None, database=None)
+ON_DEVICE, BY_LOADER = Compute(on_device=True), Compute()
+SEEDS = st.integers(0, 2**63 - 1)
+
+
+@EXAMPLES
+@given(
+    st.lists(st.tuples(SEEDS, st.integers(1, 1200), st.integers(1, 1200)), min_size=1, max_size=60),
+    st.sampled_from([8, 32, 224, 384]),
+)
+def test_the_boxes_and_flips_are_the_transforms_own_for_any_seed_and_image_size(images, size):
+    crop, flip = v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()
+    seeds, heights, widths = zip(*images, strict=True)
+    boxes, flips = draw(crop, flip, seeds, heights, widths)
+    for i, (seed, height, width) in enumerate(images):
+        assert (list(boxes[i]), bool(flips[i])) == drawn_by_the_transforms(crop, flip, seed, height, width)
+
+
+def test_images_too_elongated_for_any_try_take_the_central_crop_as_the_transform_does():
+    crop, flip = v2.RandomResizedCrop(32, antialias=True), v2.RandomHorizontalFlip()
+    sizes = [(1, 900), (900, 1), (3, 40), (40, 3), (1, 1)]
+    boxes, flips = draw(crop, flip, range(5), *zip(*sizes, strict=True))
+    for i, (height, width) in enumerate(sizes):
+        assert (list(boxes[i]), bool(flips[i])) == drawn_by_the_transforms(crop, flip, i, height, width)
+
+
+@EXAMPLES
+@given(st.integers(0, 2**70), st.integers(0, 2**40), st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40))
+def test_an_epochs_seeds_are_sample_seed_for_every_index(seed, epoch, indices):
+    assert sample_seeds(seed, epoch, indices).tolist() == [sample_seed(seed, epoch, i) for i in indices]
+
+
+def recorded_boxes(monkeypatch, train_loader, epoch: int) -> list[tuple]:
+    """(top, left, height, width, flipped) of every image of an epoch of `train_loader`, in order, as the
+    transforms drew them (the loader's) or as dataset/crop_boxes.py's draw did (batches made on the device)."""
+    seen = []
+    make_params = v2.RandomResizedCrop.make_params
+
+    def crop_params(self, flat_inputs):
+        params = make_params(self, flat_inputs)
+        seen.append([params["top"], params["left"], params["height"], params["width"], False])
+        return params
+
+    def flip_params(self, flat_inputs):  # called only for an image that is flipped
+        seen[-1][-1] = True
+        return {}
+
+    def drawn(*args):
+        boxes, flips = draw(*args)
+        seen.extend([*box, bool(flipped)] for box, flipped in zip(boxes.tolist(), flips, strict=True))
+        return boxes, flips
+
+    monkeypatch.setattr(v2.RandomResizedCrop, "make_params", crop_params)
+    monkeypatch.setattr(v2.RandomHorizontalFlip, "make_params", flip_params, raising=False)
+    monkeypatch.setattr(on_device, "draw", drawn)
+    train_loader.batch_sampler.set_epoch(epoch)
+    for _ in train_loader:
+        pass
+    return [tuple(box) for box in seen]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_each_epochs_boxes_and_flips_on_the_device_are_the_loaders_integers(tiny_data, monkeypatch, world_size):
+    split = read_split_data(tiny_data)
+    for rank in range(world_size):
+        made = {}
+        for name, compute in (("loader", BY_LOADER), ("device", ON_DEVICE)):
+            train_loader, _ = loaders(split, 32, 4, seed=3, world_size=world_size, rank=rank, compute=compute)
+            with monkeypatch.context() as patches:
+                made[name] = [recorded_boxes(patches, train_loader, epoch) for epoch in (0, 1)]
+        assert made["device"] == made["loader"] and len(made["loader"][0]) == len(train_loader) * 4
+        assert made["loader"][0] != made["loader"][1]  # a new epoch, new boxes
+
+
+def photo_like(count: int, height: int, width: int, generator) -> torch.Tensor:
+    """`count` 8-bit images with the smooth shapes and the grain of photos (what resampling meets)."""
+    coarse = torch.rand(count, 3, height // 8 + 1, width // 8 + 1, generator=generator) * 255
+    smooth = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bicubic", align_corners=False)
+    return (smooth + torch.randn(count, 3, height, width, generator=generator) * 20).clamp(0, 255).round().byte()
+
+
+def test_crops_resampled_on_the_device_are_torchvisions_resized_crop_to_rounding(capsys):
+    """The same boxes, through torchvision's resized_crop(antialias=True) on 8-bit images (the loader's) and through
+    resized_crops: shrinking, enlarging and flipping, to within rounding of the 8-bit result."""
+    generator, size, height, width = torch.Generator().manual_seed(0), 48, 75, 100
+    images = photo_like(12, height, width, generator)
+    taps = resampling_taps(max(height, width), size)
+    held = torch.zeros(len(images), height + taps, width + taps, 3, dtype=torch.uint8)
+    held[:, :height, :width] = images.permute(0, 2, 3, 1)
+    rng = np.random.default_rng(0)
+    box_h, box_w = rng.integers(5, height + 1, 48), rng.integers(5, width + 1, 48)
+    top, left = rng.integers(0, height - box_h + 1), rng.integers(0, width - box_w + 1)
+    flipped, index = rng.random(48) < 0.5, np.arange(48) % len(images)
+    ours = resized_crops(held, taps, *map(torch.from_numpy, (index, top, left, box_h, box_w, flipped)), size)
+    differences = []
+    for i in range(48):
+        theirs = F.resized_crop(images[index[i]], *map(int, (top[i], left[i], box_h[i], box_w[i])), [size, size])
+        theirs = F.horizontal_flip(theirs) if flipped[i] else theirs
+        differences.append((ours[i] - theirs.float()).abs().flatten())
+    difference = torch.cat(differences)
+    mean, p99, most = difference.mean().item(), difference.quantile(0.99).item(), difference.max().item()
+    with capsys.disabled():
+        print(f"\nresized_crops against resized_crop, in levels of 255: mean {mean:.3f}, 99th percentile {p99:.3f}")
+    assert mean <= 0.5 and p99 <= 1.0 and most <= 1.5  # the 8-bit result's own rounding is up to 0.5
+
+
+def test_validation_batches_held_on_the_device_are_the_loaders_pixel_for_pixel(tiny_data):
+    split = read_split_data(tiny_data)
+    for rank in range(2):
+        made = [loaders(split, 32, 4, 0, world_size=2, rank=rank, compute=c)[1] for c in (BY_LOADER, ON_DEVICE)]
+        loader, held = ([(images.clone(), labels.clone()) for images, labels in batches] for batches in made)
+        assert len(loader) == len(held) == len(made[1])
+        for (a, labels_a), (b, labels_b) in zip(loader, held, strict=True):
+            assert a.dtype == b.dtype == torch.uint8 and torch.equal(a, b) and torch.equal(labels_a, labels_b)
+
+
+def test_the_ranks_batches_made_on_the_device_are_the_shards_of_one_processs_global_batch(tiny_data):
+    """DDP on 2 x B images a step and one process on 2B: each step's images, image by image, bitwise."""
+    split = read_split_data(tiny_data)
+    single = loaders(split, 32, 8, 5, compute=ON_DEVICE)[0]
+    ranks = [loaders(split, 32, 4, 5, world_size=2, rank=rank, compute=ON_DEVICE)[0] for rank in range(2)]
+    for loader in (single, *ranks):
+        loader.batch_sampler.set_epoch(1)
+    for (whole, labels), *shards in zip(single, *ranks, strict=True):
+        parts = torch.cat([images for images, _ in shards])
+        part_labels = torch.cat([part_labels for _, part_labels in shards])
+        # DistributedSampler deals the shuffle out in turn: rank r takes its images r, r + 2, ...
+        order = torch.cat([torch.arange(0, 8, 2), torch.arange(1, 8, 2)])
+        assert torch.equal(parts, whole[order]) and torch.equal(part_labels, labels[order])
+
+
+def test_auto_makes_batches_where_an_image_costs_least_counting_an_epochs_wait_for_its_first_batch():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    # a GPU step of 0.11 ms an image, a worker's 0.95 ms, 11 steps an epoch: the loader keeps pace within an epoch
+    # but every epoch starts by waiting for a worker's batch; making a batch on the GPU costs 0.005 ms an image
+    chosen, why = choose_batches(gpu, 0.11e-3, 0.005e-3, 0.95e-3, 8, 16, 11)
+    assert chosen and why.startswith("batches made on the device: there 0.115 ms an image") and "loader 0.205" in why
+    # the CPU: making a batch costs 6 ms an image there, loading 0.7 ms on a core beside a 40 ms step
+    chosen, why = choose_batches(cpu, 40e-3, 6e-3, 0.7e-3, 0, 2, 100)
+    assert (
+        not chosen and why.startswith("batches made by the loader: there 46.000 ms an image") and "loader 40.700" in why
+    )
