@@ -138,7 +138,8 @@ def saving_a_step_on_stop(log, model, training):
 
 def save_step(log, model, training, stop: StopRequested) -> None:
     """The checkpoint of a run stopped at step `stop.step` of epoch `stop.epoch`: the training state then, and
-    where in the epoch it is (its "midway")."""
+    where in the epoch it is (its "midway"), once the last epoch's files are written (the background's)."""
+    log.wait_for_writes()
     state = log.training_state(stop.epoch - 1, model, training)
     try:
         save_atomically(state | {"midway": stop.midway()}, log.checkpoint)

@@ -30,6 +30,8 @@ def epoch_metrics(epoch: int, lr: float, trained: tuple, seconds: tuple, confusi
         "val_per_class_total": confusion.sum(dim=1).tolist(),
         "lr": lr,
         "epoch_seconds": epoch_seconds,
+        "train_seconds": train_seconds,
+        "validation_seconds": epoch_seconds - train_seconds,
         "train_images": train_images,
         "train_images_per_sec": train_images / train_seconds,
         "world_size": world_size,

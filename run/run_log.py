@@ -3,6 +3,8 @@ then each epoch's printed line, metrics.jsonl line (run/metrics.py), TensorBoard
 weights and checkpoint (RunLog), and, when a tracker is named, the tracked run (run/tracking.py). In DDP rank 0
 alone writes; every other rank's RunLog does nothing."""
 
+import contextlib
+import time
 from pathlib import Path
 
 import torch
@@ -10,6 +12,7 @@ import torch
 from dataset.folders import split_fingerprint, write_class_indices
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, save_epoch, training_state
 from multi_train_utils.distributed_utils import print_once
+from multi_train_utils.epoch_writer import EpochWriter, on_host
 from recipe.loss import describe_class_weights
 from recipe.optimizer import describe_learning_rate
 from recipe.precision import Compute, amp_flag
@@ -50,6 +53,7 @@ class RunLog:
         self.compute, self.world_size, self.save_every = compute, process.world_size, config.save_every
         self.device, self.best_acc = process.device, best_acc
         self.checkpoint = plan.output_dir / CHECKPOINT_NAME
+        self.writer, self.writing = EpochWriter(), -1  # the epoch whose files are being written in the background
         # The run's record (args.json, and each checkpoint's "args"): its flags and what was decided from them.
         self.record = config.record(
             data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=plan.output_dir,
@@ -77,45 +81,85 @@ class RunLog:
         return state | self.tracking.checkpoint_entry()
 
     def epoch(self, metrics: dict, model, training, best, best_acc: float) -> None:
-        """Everything an epoch leaves: its printed line, its log lines, its weights (and `best`'s, the model or
-        its average, when it improved on the best accuracy), then the checkpoint of `model` and `training`."""
+        """Everything an epoch leaves: its printed line now; then, written in the background while the next epoch
+        trains (multi_train_utils/epoch_writer.py), its TensorBoard scalars and prediction grid, its metrics.jsonl
+        line, its weights (and `best`'s, the model or its average, when it improved on the best accuracy), then the
+        checkpoint of `model` and `training`, from one copy of them taken now; the tracker records the epoch once
+        they are on disk. The line and metrics say how long the loop was held: logging (the model's predictions
+        of TensorBoard's preview images) and saving (waiting for the last epoch's write, taking the copy)."""
         epoch, self.best_acc = metrics["epoch"], best_acc
-        try:
-            self.log_epoch(metrics, best_acc, model)
-            keep = self.save_every > 0 and (epoch + 1) % self.save_every == 0
-            best_weights = best.state_dict() if best is not None else None
-            state = self.training_state(epoch, model, training)
-            save_epoch(self.output_dir, epoch, model.state_dict(), best_weights, state, keep=keep)
-            self.tracking.epoch(metrics)  # only once it is saved: an epoch trained again was never logged
-        except OutputError as error:
-            last = self.checkpoint  # each finished epoch wrote one: the epoch before this one's
-            kept = f"{last} (epoch {epoch - 1}) is untouched" if last.exists() else "no checkpoint yet"
-            raise OutputError(f"{error}; stopped, {kept}: make room, then continue with --resume {last}") from None
+        started = time.perf_counter()
+        self.wait_for_writes()  # the last epoch's files, written meanwhile: a failure to write them stops here
+        waited = time.perf_counter() - started
+        started = time.perf_counter()
+        predicted = self.board.predictions(model, self.compute)  # the preview's, with this epoch's weights
+        logging = time.perf_counter() - started
+        started = time.perf_counter()
+        keep = self.save_every > 0 and (epoch + 1) % self.save_every == 0
+        best_weights = best.state_dict() if best is not None else None
+        state = self.training_state(epoch, model, training)
+        (weights, best_weights, state), arrived = on_host((model.state_dict(), best_weights, state))
+        line = metrics | {"logging_seconds": logging, "saving_seconds": waited + time.perf_counter() - started}
+        self.print_epoch(line)
 
+        def write() -> None:
+            arrived()
+            try:
+                self.board.epoch(line, best_acc, predicted, self.classes)
+                append_metrics(self.output_dir / METRICS_NAME, line)
+            except OSError as error:  # TensorBoard's writer too: a full disk, a vanished folder, ...
+                raise OutputError(write_failure(Path(error.filename or self.output_dir), error)) from None
+            save_epoch(self.output_dir, epoch, weights, best_weights, state, keep=keep)
+
+        self.writing = epoch
+        self.writer.write(write, after=lambda: self.tracking.epoch(line))  # the tracker: once it is on disk
+
+    def wait_for_writes(self) -> None:
+        """Until the epoch's files being written in the background are on disk (before a stop's checkpoint, at the
+        end, at the next epoch's end); a failure to write them stops the run here, in one line."""
+        try:
+            self.writer.wait()
+        except OutputError as error:
+            raise self.stopped(error, self.writing) from None
+
+    def stopped(self, error: OutputError, epoch: int) -> OutputError:
+        """The line that stops the run where epoch `epoch`'s files could not be written."""
+        last = self.checkpoint  # each finished epoch wrote one: the epoch before's, when `epoch`'s failed
+        kept = f"{last} (epoch {epoch - 1}) is untouched" if last.exists() else "no checkpoint yet"
+        return OutputError(f"{error}; stopped, {kept}: make room, then continue with --resume {last}")
+
+    @contextlib.contextmanager
     def ending(self):
         """Around the epochs: marks the tracked run KILLED when a stop signal (or Ctrl-C) ends them, FAILED when an
-        exception does."""
-        return self.tracking.marks_how_the_run_ends()
+        exception does; and however they end, waits for the epoch's files being written in the background (a
+        failure to write them raised in their place when the epochs ended well, left unsaid under another
+        exception: that one's traceback is the story)."""
+        with self.tracking.marks_how_the_run_ends():
+            try:
+                yield
+            except BaseException:
+                with contextlib.suppress(OutputError):
+                    self.wait_for_writes()
+                raise
+            self.wait_for_writes()
 
     def done(self, best_acc: float) -> None:
         if self.enabled:
+            self.wait_for_writes()
             self.board.close()
             self.tracking.end("FINISHED")
             print(f"Done: best val acc {best_acc:.3f}; weights in {self.output_dir / 'weights'}", flush=True)
 
-    def log_epoch(self, metrics: dict, best_acc: float, model) -> None:
-        """Print the epoch's line, add its scalars and prediction preview to TensorBoard, its line to metrics.jsonl."""
+    def print_epoch(self, metrics: dict) -> None:
+        """The epoch's line: its loss, accuracy, rate, and where its time went."""
         if not self.enabled:
             return
-        epoch = metrics["epoch"]
+        parts = (metrics["train_seconds"], metrics["validation_seconds"], metrics["logging_seconds"])
         print(
-            f"[epoch {epoch}] train loss {metrics['train_loss']:.3f}  val acc {metrics['val_acc']:.3f} "
+            f"[epoch {metrics['epoch']}] train loss {metrics['train_loss']:.3f}  val acc {metrics['val_acc']:.3f} "
             f"({metrics['val_correct']}/{metrics['val_total']})  lr {metrics['lr']:.2e}  "
-            f"{metrics['epoch_seconds']:.1f} s, {metrics['train_images_per_sec']:.1f} img/s" + skipped_note(metrics),
+            f"{metrics['epoch_seconds']:.1f} s (training {parts[0]:.2f}, validation {parts[1]:.2f}; then logging "
+            f"{parts[2]:.2f}, saving {metrics['saving_seconds']:.2f}), {metrics['train_images_per_sec']:.1f} img/s"
+            + skipped_note(metrics),
             flush=True,
         )
-        try:
-            self.board.epoch(metrics, best_acc, model, self.classes, self.compute)
-            append_metrics(self.output_dir / METRICS_NAME, metrics)
-        except OSError as error:  # TensorBoard's writer: a full disk, a vanished folder, ...
-            raise OutputError(write_failure(Path(error.filename or self.output_dir), error)) from None

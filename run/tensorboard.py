@@ -3,6 +3,7 @@ validation images titled with the model's predictions, and the run's flags in th
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
@@ -19,8 +20,17 @@ class Board:
         write_hparams(self.writer, record)
         self.preview = preview_batch(preview_set)
 
-    def epoch(self, metrics: dict, best_acc: float, model, classes: list[str], compute: Compute) -> None:
-        """The epoch's scalars and prediction grid, flushed now, so that a failure to write surfaces now."""
+    def predictions(self, model, compute: Compute) -> list[int]:
+        """The model's predicted class for each preview image, now (the weights of the epoch that just ended)."""
+        images, _ = self.preview
+        device = next(model.parameters()).device
+        model.eval()
+        with compute.autocast(device):
+            return model(compute.batch_to(images, device)).argmax(dim=1).tolist()
+
+    def epoch(self, metrics: dict, best_acc: float, predicted: list[int], classes: list[str]) -> None:
+        """The epoch's scalars and prediction grid (the preview images titled with `predicted`), flushed, so that a
+        failure to write surfaces here (run/run_log.py calls this in the background writer)."""
         epoch = metrics["epoch"]
         for tag, value in (
             ("loss", metrics["train_loss"]),
@@ -29,7 +39,8 @@ class Board:
             (BEST_ACC_TAG, best_acc),
         ):
             self.writer.add_scalar(tag, value, epoch)
-        self.writer.add_figure("validation_predictions", preview_figure(model, self.preview, classes, compute), epoch)
+        grid = figure_pixels(preview_figure(self.preview, predicted, classes))  # without pyplot: any thread
+        self.writer.add_image("validation_predictions", grid, epoch, dataformats="HWC")
         self.writer.flush()
 
     def close(self) -> None:
@@ -61,13 +72,19 @@ def preview_batch(val_set, count: int = 16):
 
 
 @torch.no_grad()
-def preview_figure(model, preview, classes: list[str], compute: Compute):
+def figure_pixels(figure) -> np.ndarray:
+    """A matplotlib Figure drawn into RGB pixels (height x width x 3, 8-bit) by the Agg renderer, as add_figure
+    would draw it but without pyplot (whose GUI backends must stay in the main thread)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # imported by rank 0 alone, when it first draws
+
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def preview_figure(preview, predicted: list[int], classes: list[str]):
     """The preview images titled with the model's predictions (green right, red wrong), for TensorBoard."""
     images, labels = preview
-    device = next(model.parameters()).device
-    model.eval()
-    with compute.autocast(device):
-        predicted = model(compute.batch_to(images, device)).argmax(dim=1).tolist()
     pixels = (images.permute(0, 2, 3, 1) / 255).numpy()  # the loader's 8-bit pixels, as HxWx3 from 0 to 1
     from plot_results import plot_predictions  # matplotlib: imported by rank 0 alone, when it first draws
 

@@ -148,9 +148,12 @@ def final_weights(out: Path) -> dict:
     return torch.load(out / "weights" / "last.pth", weights_only=True)
 
 
+TIMINGS = ("train_seconds", "validation_seconds", "logging_seconds", "saving_seconds")  # where an epoch's time went
+
+
 def metrics_without_timings(out: Path) -> list[dict]:
     """A run's metrics.jsonl, without the numbers that differ from run to run (timings, memory)."""
-    timings = {"epoch_seconds", "train_images_per_sec", "peak_rss_mib", "peak_gpu_mib"}
+    timings = {"epoch_seconds", "train_images_per_sec", "peak_rss_mib", "peak_gpu_mib", *TIMINGS}
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in timings} for line in lines]
 

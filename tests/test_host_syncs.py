@@ -169,20 +169,23 @@ def two_ranks(monkeypatch):
 
 
 FEEDS = {"loader": False, "on-device": True}  # the batches made by a loader, or on the device (--batches)
+# Each precision plain and with every switch, fed by a loader; with every switch, fed on the device (the batches'
+# making is the same whatever the switches: plain adds nothing there)
+CASES = [
+    *((amp, switches, "loader") for amp in PRECISIONS for switches in ({}, EVERY_SWITCH)),
+    *((amp, EVERY_SWITCH, "on-device") for amp in PRECISIONS),
+]
+IDS = [f"{amp}-{'every-switch' if switches else 'plain'}-{feed}" for amp, switches, feed in CASES]
 
 
-@pytest.mark.parametrize("feed", FEEDS)
-@pytest.mark.parametrize("switches", [{}, EVERY_SWITCH], ids=["plain", "every-switch"])
-@pytest.mark.parametrize("amp", PRECISIONS)
+@pytest.mark.parametrize("amp, switches, feed", CASES, ids=IDS)
 def test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, feed, two_ranks):
     short, long = fake_cuda_waits("train", amp, switches, FEEDS[feed])
     assert long == short, f"the host waits for the device in each step: {long - short} more in 2 more steps"
     assert sum(long.values()) == 0, long  # nor once an epoch: the epoch's sums arrive without a blocking copy
 
 
-@pytest.mark.parametrize("feed", FEEDS)
-@pytest.mark.parametrize("switches", [{}, EVERY_SWITCH], ids=["plain", "every-switch"])
-@pytest.mark.parametrize("amp", PRECISIONS)
+@pytest.mark.parametrize("amp, switches, feed", CASES, ids=IDS)
 def test_a_validation_batch_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, feed, two_ranks):
     short, long = fake_cuda_waits("validate", amp, switches, FEEDS[feed])
     assert long == short, f"the host waits for the device in each batch: {long - short} more in 2 more batches"

@@ -2,6 +2,7 @@
 training step every rank agrees on, saved with a second signal arriving while it is written, and the resumed run
 ends bitwise as the uninterrupted one: in one process, under torchrun and under the spawn script."""
 
+import re
 import signal
 import subprocess
 import sys
@@ -57,6 +58,50 @@ def test_sigusr1_stops_one_process_at_a_step_and_the_resumed_run_ends_bitwise_as
     expected, weights = final_weights(reference_run), final_weights(tmp_path / "run")
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
     assert metrics_without_timings(tmp_path / "run") == metrics_without_timings(reference_run)
+
+
+def fault_events(output: str) -> list[str]:
+    """The injected faults' lines (tests/fault_injection: "fault: ...") and the stop's ("stopped by"), in order, from a
+    run's output, where they may share a line with a progress bar."""
+    return re.findall(r"fault: (?:writing \S+|wrote \S+|stop signal sent)|stopped by", output)
+
+
+def test_a_stop_during_an_epochs_write_waits_for_it_and_resumes_bitwise(tiny_data, tmp_path, reference_run):
+    """Epoch 0's files are written in the background, slowly (2 s a file), while epoch 1 trains; the stop signal
+    comes meanwhile. The stop's checkpoint is saved after the write has ended, so it is not overwritten by epoch 0's,
+    and the resumed run ends bitwise as the uninterrupted one."""
+    flags = ("--data-path", tiny_data, *REFERENCE_FLAGS)
+    stopped, state, resumed = stop_and_resume("one process", flags, tmp_path / "run", "slowsave:2,stop:1:2:USR1")
+    assert stopped.returncode == 128 + signal.SIGUSR1, stopped.stderr
+    events = fault_events(stopped.stdout)
+    sent, saved = events.index("fault: stop signal sent"), events.index("stopped by")
+    assert sent < events.index("fault: wrote checkpoint.pth")  # epoch 0's files not all written at the signal
+    assert events[saved - 1] == "fault: wrote checkpoint.pth"  # and all of them before the stop's checkpoint
+    assert state["epoch"] == 0 and state["midway"]["step"] == 4  # the stop's, not epoch 0's written after it
+    expected, weights = final_weights(reference_run), final_weights(tmp_path / "run")
+    assert all(torch.equal(expected[k], weights[k]) for k in expected)
+    assert metrics_without_timings(tmp_path / "run") == metrics_without_timings(reference_run)
+
+
+def test_kill_9_during_an_epochs_write_leaves_the_last_files_whole_and_the_resumed_run_ends_bitwise(
+    tiny_data, tmp_path, reference_run
+):
+    """Epoch 1's files are being written in the background (slowly: 1 s a file) when the process is killed with
+    SIGKILL half a second into epoch 2, as the OOM killer would: the files on disk are whole (epoch 0's, or those of
+    epoch 1 written by then); the run resumed from them ends bitwise as the uninterrupted one."""
+    out = tmp_path / "run"
+    flags = ("--data-path", tiny_data, *REFERENCE_FLAGS, "--output-dir", out)
+    killed = run_script("train_single_gpu.py", *flags, env=fault_env("slowsave:1,pause:2:0.5,kill:2"), timeout=240)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    events = fault_events(killed.stdout)
+    assert events[-1].startswith("fault: writing"), events  # a write in flight at the kill
+    state = load_checkpoint(out / "checkpoint.pth")  # whole: epoch 0's, or epoch 1's if it was written in time
+    assert state["epoch"] in (0, 1) and torch.load(out / "weights" / "last.pth", weights_only=True)
+    resumed = run_script("train_single_gpu.py", *flags, "--auto-resume", timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    expected, weights = final_weights(reference_run), final_weights(out)
+    assert all(torch.equal(expected[k], weights[k]) for k in expected)
+    assert metrics_without_timings(out) == metrics_without_timings(reference_run)
 
 
 @pytest.mark.parametrize("script, uninterrupted", [("torchrun", "torchrun_run"), ("spawn", "spawn_run")])

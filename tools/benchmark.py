@@ -693,12 +693,12 @@ def fixed_rows(args, names: list[str], workers: int, batches: str, peaks: dict, 
                   peaks[peak_name(compute.amp_dtype)], flops)  # fmt: skip
 
 
-def script_rows(args, workers: int, batches: str, nprocs: int, peaks: dict, flops: float):
+def script_rows(args, compute: Compute, workers: int, nprocs: int, peaks: dict, flops: float):
     """The training scripts end to end but auto's run (measured first), each row yielded as soon as it is measured
     (those of the kinds in --rows): the original's setup, the fixed configurations, the two DDP launch scripts
     (precision and layout left to auto, which measures for them anew: each process has its share of the cores)
     and the demo."""
-    single = [str(ROOT / "train_single_gpu.py")]
+    single, batches = [str(ROOT / "train_single_gpu.py")], "device" if compute.on_device else "loader"
     if "baseline" in args.rows:
         original_workers = min(os.cpu_count() or 1, args.batch_size, 8)  # the original's num_workers
         baseline = ["--amp", "off", "--no-channels-last", "--no-persistent-workers", "--workers", str(original_workers)]
@@ -707,7 +707,8 @@ def script_rows(args, workers: int, batches: str, nprocs: int, peaks: dict, flop
                   run_script(args, "baseline", single, baseline), peaks["float32"], flops)  # fmt: skip
     yield from fixed_rows(args, args.fixed, workers, batches, peaks, flops)
     ours_flags = ["--amp", args.amp] + ([] if args.channels_last is None else [layout_flag(args.channels_last)])
-    yield from path_rows(args, ours_flags, batches, peaks, flops)
+    as_auto = ["--amp", amp_flag(compute), layout_flag(compute.channels_last)]  # auto's precision and layout
+    yield from path_rows(args, as_auto, batches, peaks, flops)
     if "torchrun" in args.rows:
         torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
         launch = [*torchrun, str(ROOT / "train_multi_gpu_using_launch.py")]
@@ -727,8 +728,9 @@ def script_rows(args, workers: int, batches: str, nprocs: int, peaks: dict, flop
 
 def path_rows(args, flags: list[str], chosen: str, peaks: dict, flops: float):
     """train_single_gpu.py with its batches made on the device, or by the loader: the path auto did not choose
-    (`chosen`: its row is auto's), if --rows has "paths", as auto's row otherwise; a path the script refuses here
-    (the images do not fit on the device, say) is left out with the script's line saying why."""
+    (`chosen`: its row is auto's), if --rows has "paths", in auto's precision and layout (`flags`); a path the
+    script refuses here (the images do not fit on the device, say) is left out with the script's line saying
+    why."""
     if "paths" not in args.rows:
         return
     for path in {"device", "loader"} - {chosen}:
@@ -877,7 +879,7 @@ def main(argv=None):
         loader_rows(args, split, workers),
         peer_rows(args, compute, peaks, flops),
         profile_rows(args, split, compute, workers),
-        script_rows(args, workers, "device" if compute.on_device else "loader", nprocs, peaks, flops),
+        script_rows(args, compute, workers, nprocs, peaks, flops),
         predict_rows(args, nprocs, peaks, benchmark["rows"]),
     )
     for measured in measured_rows:  # each row measured, then recorded, before the next starts

@@ -9,15 +9,18 @@ FAULT=kill:EPOCH         the process kills itself (SIGKILL, as the OOM killer wo
 FAULT=pause:EPOCH:SECONDS  the process sleeps SECONDS at the start of epoch EPOCH, away from any collective, as one
                          busy in a long step would be: a peer that dies meanwhile reaches it through its torchrun
                          (which stops it), not through a broken connection
-FAULT=fsize:EPOCH:BYTES  from the start of epoch EPOCH, no file may grow beyond BYTES (RLIMIT_FSIZE, the kernel's
-                         own limit: writes fail with EFBIG, "File too large", as on a full disk they fail with
-                         ENOSPC); needs no privileges
+FAULT=fsize:EPOCH:BYTES  from the writing of epoch EPOCH's weights and checkpoint on (multi_train_utils/checkpoint.py's
+                         save_epoch, in the background writer), no file may grow beyond BYTES (RLIMIT_FSIZE, the
+                         kernel's own limit: writes fail with EFBIG, "File too large", as on a full disk they fail
+                         with ENOSPC); needs no privileges
 FAULT=delete:EPOCH:STEP  rank 0 deletes the files listed in FAULT_FILES (os.pathsep between them) after STEP
                          steps of epoch EPOCH (0: before its first), as a cleaning job or a re-sync would
 FAULT=stop:EPOCH:STEP:SIGNAL  rank 0 sends SIGNAL (TERM, USR1) as it loads batch STEP of epoch EPOCH: to its
                          launcher (torchrun, or the spawn script's first process), which passes it on to every
                          rank, or to itself when it has none; then again to itself as it saves (a second signal
-                         while the step is being saved)
+                         while the step is being saved). It prints "fault: stop signal sent" as it sends it
+FAULT=slowsave:SECONDS   each file of an epoch written in the background (multi_train_utils/epoch_writer.py) waits
+                         SECONDS before it is written, printing "fault: writing NAME" and "fault: wrote NAME"
 
 Several faults: separated by commas (FAULT=delete:1:1,fsize:2:1000000).
 DECODE_LOG=FOLDER        no fault: each image the start-up check decodes is logged (see the end of this file)
@@ -38,6 +41,7 @@ if os.environ.get("FAULT"):
     import torch
     import torch.distributed as dist
 
+    import multi_train_utils.checkpoint as checkpoint
     import multi_train_utils.stop_and_resume as stop_and_resume
     import multi_train_utils.train_eval_utils as training
 
@@ -69,6 +73,7 @@ if os.environ.get("FAULT"):
         def each(done, batch):
             if done == step:
                 launched = "LOCAL_RANK" in os.environ or multiprocessing.parent_process() is not None
+                print("fault: stop signal sent", flush=True)
                 os.kill(os.getppid() if launched else os.getpid(), signum)
             return batch
 
@@ -82,6 +87,28 @@ if os.environ.get("FAULT"):
             real_save(state, path)
 
         stop_and_resume.save_atomically = save
+
+    def slow_saves(seconds: float) -> None:
+        real_save = checkpoint.save_atomically
+
+        def save(state, path):
+            print(f"fault: writing {Path(path).name}", flush=True)
+            time.sleep(seconds)
+            real_save(state, path)
+            print(f"fault: wrote {Path(path).name}", flush=True)
+
+        checkpoint.save_atomically = save
+
+    def full_disk_from(first_epoch: int, most: int) -> None:
+        real_save_epoch = checkpoint.save_epoch
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+
+        def save_epoch(output_dir, epoch, *args, **kwargs):
+            if epoch >= first_epoch:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (most, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            real_save_epoch(output_dir, epoch, *args, **kwargs)
+
+        checkpoint.save_epoch = save_epoch
 
     def faulty_train_one_epoch(steps, data_loader, device, epoch, *how, **options):
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -100,9 +127,6 @@ if os.environ.get("FAULT"):
             data_loader = [(images * torch.nan, labels) for images, labels in data_loader]
         if kind == "slow":
             data_loader = Batches(data_loader, lambda step, batch: time.sleep(0.2) or batch)
-        if kind == "fsize" and epoch == int(numbers[0]):
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
-            resource.setrlimit(resource.RLIMIT_FSIZE, (int(numbers[1]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         if kind == "delete" and epoch == int(numbers[0]) and rank == 0:
             data_loader = Batches(data_loader, delete_at(int(numbers[1])))
         if kind == "stop" and epoch == int(numbers[0]) and rank == 0:
@@ -112,6 +136,11 @@ if os.environ.get("FAULT"):
         return data_loader
 
     training.train_one_epoch = faulty_train_one_epoch
+    for kind, numbers in faults:
+        if kind == "slowsave":
+            slow_saves(float(numbers[0]))
+        if kind == "fsize":
+            full_disk_from(int(numbers[0]), int(numbers[1]))
 
 if os.environ.get("DECODE_LOG") and sys.argv[0].endswith(".py"):
     # DECODE_LOG=FOLDER: every script process (torchrun's workers, not torchrun itself) appends to FOLDER/<pid>.log
