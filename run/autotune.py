@@ -12,12 +12,15 @@ measured. For the rest, a run times what it may choose between before it trains:
   CPU, a GPU warming up) slows every candidate alike, and each keeps its fastest step: one round, and more (up to
   MAX_ROUNDS) only while the measuring stays within MEASURE_SHARE of the run's training (at the demo's size on 2
   cores: one round, 8 steps against the demo's 144). The fastest candidate wins.
-- loader workers: the seconds one core takes to load a training image (crop and flip; read and decode first where
-  the images were not decoded once into memory), against the seconds per image of the chosen step. On a GPU the
-  cores only load, so enough workers to load faster than the GPU trains, with room to spare. On the CPU every worker
-  takes a core from the compute threads, so the count whose estimated speed is best (no worker: load, then train; w
-  workers: the slower of loading on w cores and training on the rest). This is estimated from the two measurements,
-  not timed: starting loader processes takes seconds each, more than the few seconds all of this may cost.
+- loader workers: the seconds per image one loader worker delivers (time_loading: a DataLoader of one worker, a few
+  of the run's batches cropped and flipped, read and decoded first where the images were not decoded once into
+  memory, collated and shipped to this process as the scripts' loaders ship them), against the seconds per image of
+  the chosen step. On a GPU the cores only load, so enough workers to load faster than the GPU trains, with room to
+  spare. On the CPU every worker takes a core from the compute threads, so the count whose estimated speed is best
+  (no worker: load, then train; w workers: the slower of loading on w cores and training on the rest), estimated
+  from the two measurements: one worker is started to time it, not every count.
+- where batches are made (run/batches.py): where the images fit on the device, the seconds making a batch there
+  takes, against the loader's (with each epoch's start, waiting for a worker's first batch).
 
 The choice is printed, with what was measured, and kept in a small JSON file (cache_file: delete it at will, or
 pass --remeasure) under a key naming the machine (processor, the instruction set torch computes with and the
@@ -40,11 +43,19 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock, Timeout
+from torch.utils.data import DataLoader
 
 from machine import AVX2_CAPS, available_cores, cores_per_process, cpu_bfloat16, cpu_name, torch_cpu_isa, use_cores
 from model import create_model, enable_grad_checkpointing, freeze_all_but_head
-from multi_train_utils.distributed_utils import broadcast_object, get_world_size, is_main_process, print_once
+from multi_train_utils.distributed_utils import (
+    broadcast_object,
+    get_world_size,
+    is_main_process,
+    print_once,
+    shuffled_batches,
+)
 from multi_train_utils.memory import OutOfMemory, largest_that_fits, memory_limited, pass_fits
+from multi_train_utils.stop_and_resume import ignore_stop_signals
 from recipe.loss import Objective
 from recipe.precision import AMP_DTYPES, Compute, amp_flag, choose_compute, short_name, summary
 from run.batches import (
@@ -64,7 +75,8 @@ ON_WINDOWS = os.name == "nt"
 MAX_ROUNDS = 3  # timed samples per candidate, taken in turns: the fastest of them counts
 MEASURE_SHARE = 0.05  # more than one round only while the measuring stays within this share of the run's training
 SAMPLE_SECONDS = 0.05  # a timed sample is at least this long (several steps where a step is quicker)
-LOAD_IMAGES = 16  # training images loaded to time loading (after one untimed)
+LOAD_IMAGES = 16  # training images loaded to time loading in this process (after one untimed)
+LOADER_BATCHES = 3  # batches a loader worker delivers to time it (after its first)
 GPU_LOADER_MARGIN = 1.5  # workers enough to load this much faster than the GPU trains (JPEGs vary in size)
 
 
@@ -207,7 +219,7 @@ def measure(config, plan, device: torch.device, processes_here: int, train_set, 
     lines.append(measured_line(speeds, config, device))
     workers, load_ms = config.workers or 0, None
     if workers_to_choose or where_to_choose:
-        load = time_loading(train_set)
+        load = time_loading(train_set, config.batch_size, device.type == "cuda")
         load_ms = round(load * 1000, 3)
     if workers_to_choose:
         workers, why = choose_workers(device, share, 1 / speeds[fastest], load)
@@ -362,11 +374,30 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def time_loading(train_set) -> float:
-    """Seconds one core takes to load one image of `train_set` as a loader worker does (crop and flip; read and
-    decode the file first where the images were not decoded once into memory): a worker computes with one
-    thread, so this does too. The mean over LOAD_IMAGES images after an untimed first one (it imports image
-    plug-ins)."""
+def time_loading(train_set, batch_size: int = LOAD_IMAGES, pin_memory: bool = False) -> float:
+    """Seconds per image that one loader worker delivers to this process: a DataLoader of `train_set` with one
+    worker, its batches of `batch_size` seeded, cropped and flipped (read and decoded first where the images were not
+    decoded once into memory), collated and shipped through shared memory as the scripts' loaders do (and pinned,
+    `pin_memory`, where the run trains on a GPU), timed over LOADER_BATCHES batches after its first (the worker's
+    start). Where the set holds too few batches for that, the images are loaded in this process, one thread, as a
+    worker computes, LOAD_IMAGES of them after an untimed first."""
+    batches = shuffled_batches(train_set, batch_size, seed=0)
+    if len(batches) < LOADER_BATCHES + 1:
+        return time_loading_here(train_set)
+    loading = {"num_workers": 1, "pin_memory": pin_memory, "worker_init_fn": ignore_stop_signals}
+    loaded = iter(DataLoader(train_set, batch_sampler=batches, **loading))
+    next(loaded)  # the worker starts, and loads its first batch
+    start = time.perf_counter()
+    for _ in range(LOADER_BATCHES):
+        next(loaded)
+    seconds = time.perf_counter() - start
+    del loaded  # the worker stops
+    return seconds / (LOADER_BATCHES * batch_size)
+
+
+def time_loading_here(train_set) -> float:
+    """Seconds one core takes to load one image of `train_set` in this process: one thread, as a worker computes,
+    the mean over LOAD_IMAGES images after an untimed first one (it imports image plug-ins)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -383,7 +414,7 @@ def time_loading(train_set) -> float:
 def choose_workers(device: torch.device, share: int, step: float, load: float) -> tuple[int, str]:
     """(loader workers, why) for a process with `share` cores, from the seconds per image of a training step on
     them (`step`) and of loading an image on one core (`load`); see the top of this file."""
-    measured = f"loading a training image takes {load * 1000:.1f} ms of one core, training on it {step * 1000:.1f} ms"
+    measured = f"a loader worker delivers an image in {load * 1000:.1f} ms, training on it takes {step * 1000:.1f} ms"
     if device.type != "cpu":  # the cores only load: enough workers to keep ahead of the GPU, one core left to drive it
         workers = max(1, min(max(1, share - 1), math.ceil(GPU_LOADER_MARGIN * load / step)))
         return workers, f"{measured}: {workers} loader workers keep ahead of it"

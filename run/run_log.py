@@ -141,12 +141,11 @@ class RunLog:
                 with contextlib.suppress(OutputError):
                     self.wait_for_writes()
                 raise
-            self.wait_for_writes()
+            self.wait_for_writes()  # the epochs ended well: the last one's files on disk before the run ends
 
     def done(self, best_acc: float) -> None:
         if self.enabled:
-            self.wait_for_writes()
-            self.board.close()
+            self.board.close()  # (every epoch's files and events are written: the epochs' ending waited for them)
             self.tracking.end("FINISHED")
             print(f"Done: best val acc {best_acc:.3f}; weights in {self.output_dir / 'weights'}", flush=True)
 

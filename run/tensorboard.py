@@ -20,6 +20,7 @@ class Board:
         write_hparams(self.writer, record)
         self.preview = preview_batch(preview_set)
 
+    @torch.no_grad()
     def predictions(self, model, compute: Compute) -> list[int]:
         """The model's predicted class for each preview image, now (the weights of the epoch that just ended)."""
         images, _ = self.preview
@@ -71,7 +72,6 @@ def preview_batch(val_set, count: int = 16):
     return torch.stack([image for image, _ in samples]), [label for _, label in samples]
 
 
-@torch.no_grad()
 def figure_pixels(figure) -> np.ndarray:
     """A matplotlib Figure drawn into RGB pixels (height x width x 3, 8-bit) by the Agg renderer, as add_figure
     would draw it but without pyplot (whose GUI backends must stay in the main thread)."""

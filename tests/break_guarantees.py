@@ -207,7 +207,7 @@ BREAKS = [
     ("17a a stop not waiting for the write in flight", "multi_train_utils/stop_and_resume.py",
      "    log.wait_for_writes()\n", "", PR + "test_a_stop_during_an_epochs_write_waits_for_it_and_resumes_bitwise"),
     ("17b the run's end not waiting for the last write", "run/run_log.py",
-     "            self.wait_for_writes()\n            self.board.close()", "            self.board.close()",
+     "            self.wait_for_writes()  # the epochs ended well", "            pass  # the epochs ended well",
      TK + "test_each_epoch_is_logged_once_with_the_figures_of_the_run_that_finished_it"),
     # Batches made on the device (dataset/on_device.py, issue 43)
     ("16a a crop box drawn from another seed", "dataset/on_device.py",
@@ -217,12 +217,12 @@ BREAKS = [
     ("16b a host read in the batch's making", "dataset/on_device.py",
      "        index, top, left, height, width, flipped = rows.unbind(1)\n",
      "        index, top, left, height, width, flipped = rows.unbind(1)\n        int(index.max())\n",
-     NO_WAIT_STEP + "[off-every-switch-on-device]"),
+     NO_WAIT_STEP + "[off-channels-last-on-device]"),
     ("16c the images held anew every epoch", "dataset/on_device.py",
      "        batches = list(self.batch_sampler)  # this epoch's",
      "        self.held = hold(self.dataset.dataset, self.size, self.held.pixels.device)\n"
      "        batches = list(self.batch_sampler)  # this epoch's",
-     NO_WAIT_STEP + "[off-every-switch-on-device]"),
+     NO_WAIT_STEP + "[off-channels-last-on-device]"),
 ]  # fmt: skip
 
 

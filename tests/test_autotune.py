@@ -5,6 +5,7 @@ never measures what a flag gives, and under DDP measures once for every rank."""
 import json
 import os
 import threading
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -13,7 +14,9 @@ import torch
 from conftest import final_weights, run_script
 from spawn_world import spawn_world
 
+from dataset.folders import read_split_data
 from machine import available_cores
+from my_dataset import datasets
 from recipe.config import Config
 from recipe.precision import Compute, short_name
 from run import autotune
@@ -178,7 +181,7 @@ def test_a_given_flag_is_not_measured_and_the_rest_is(machine, plan, monkeypatch
     assert machine.timed == [[FP32, FP32_CL], [FP32_CL, BF16_CL]]
     # On a GPU with precision and layout given, the step is timed all the same: the workers must keep up with it
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
-    monkeypatch.setattr(autotune, "time_loading", lambda train_set: 0.002)
+    monkeypatch.setattr(autotune, "time_loading", lambda train_set, *how: 0.002)
     monkeypatch.setattr(autotune, "cores_per_process", lambda processes_here: 8)
     machine.seconds[BF16] = 0.001  # seconds per image
     workers, compute = tune(replace(AUTO, amp="bf16", channels_last=False, workers=None), plan, CUDA, 1, NOT_LOADED)
@@ -235,7 +238,7 @@ def test_the_cache_file_is_in_the_users_cache_folder_unless_relocated(monkeypatc
 def test_loader_workers_from_the_measured_loading_and_step(device, share, step_ms, load_ms, expected):
     workers, why = choose_workers(torch.device(device), share, step_ms / 1000, load_ms / 1000)
     assert workers == expected
-    assert f"loading a training image takes {load_ms:.1f} ms of one core" in why
+    assert f"a loader worker delivers an image in {load_ms:.1f} ms" in why
 
 
 def _tune_in_rank(rank, world_size, cache, results):
@@ -274,7 +277,7 @@ def test_a_run_with_auto_measures_and_remembers_and_the_next_starts_at_once(tiny
     assert "Auto: timed training steps of resnet34 at 32 px, batch 8, on cpu" in first.stdout
     assert "measuring took" in first.stdout
     if available_cores() > 1:  # with one core (a share of the test workers' cores) no loader would pay: not timed
-        assert "Auto: loading a training image takes " in first.stdout
+        assert "Auto: a loader worker delivers an image in " in first.stdout
     [entry] = json.loads(cache.read_text())["entries"]
     chosen = entry["choice"]
     assert chosen["seconds"] > 0 and len(chosen["measured"]) in (2, 4)  # both layouts, in bfloat16 too if native
@@ -308,7 +311,7 @@ def test_auto_makes_the_batches_where_it_measured_them_faster_says_so_and_rememb
     room = "4 images padded to 8 x 8 px: 0.00 GB, within half of the 1.0 GB free"
     monkeypatch.setattr(autotune, "device_batches_possible", lambda *args: (True, room))
     monkeypatch.setattr(autotune, "device_seconds_per_image", lambda *args: making)
-    monkeypatch.setattr(autotune, "time_loading", lambda train_set: 0.002)
+    monkeypatch.setattr(autotune, "time_loading", lambda train_set, *how: 0.002)
     monkeypatch.setattr(autotune, "steps_per_epoch", lambda *args: 10)
     monkeypatch.setattr(autotune, "held_bytes", lambda *args: 1000)
     config = replace(AUTO, batches="auto")
@@ -320,3 +323,21 @@ def test_auto_makes_the_batches_where_it_measured_them_faster_says_so_and_rememb
         assert f"Batches: made on the device (--batches auto), from the training images held there: {room}" in printed
     assert tune(config, plan, CPU, 1, NOT_LOADED)[1].on_device is on_device  # remembered
     assert "batches made on the device, as measured on" in capsys.readouterr().out or not on_device
+
+
+def test_a_loader_worker_is_timed_as_it_delivers_batches_so_a_slower_collation_starts_more_workers(
+    tiny_data, monkeypatch
+):
+    """time_loading runs one real loader worker: what it does besides cropping (collating a batch, shipping it)
+    counts. A collation made 20 ms a batch slower (substituted) is measured so, and on a GPU auto starts more
+    workers to keep ahead of the same step."""
+    train_set = datasets(read_split_data(tiny_data), Config(img_size=32, batch_size=8))[0]
+    quick = autotune.time_loading(train_set, 8)
+    collate = torch.utils.data._utils.collate.default_collate
+    monkeypatch.setattr(
+        torch.utils.data._utils.collate, "default_collate", lambda batch: time.sleep(0.02) or collate(batch)
+    )
+    slow = autotune.time_loading(train_set, 8)
+    assert slow >= quick + 0.9 * 0.02 / 8
+    gpu, step = torch.device("cuda"), 0.0005  # a GPU step of 0.5 ms an image; 16 cores
+    assert autotune.choose_workers(gpu, 16, step, slow)[0] > autotune.choose_workers(gpu, 16, step, quick)[0]

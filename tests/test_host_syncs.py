@@ -169,13 +169,15 @@ def two_ranks(monkeypatch):
 
 
 FEEDS = {"loader": False, "on-device": True}  # the batches made by a loader, or on the device (--batches)
-# Each precision plain and with every switch, fed by a loader; with every switch, fed on the device (the batches'
-# making is the same whatever the switches: plain adds nothing there)
+# Each precision plain and with every switch, fed by a loader; fed on the device, in channels_last (the one switch
+# that changes how a batch is made there: its layout; the others act on the step after it, as with a loader's)
+CHANNELS_LAST = {"channels_last": True}
 CASES = [
     *((amp, switches, "loader") for amp in PRECISIONS for switches in ({}, EVERY_SWITCH)),
-    *((amp, EVERY_SWITCH, "on-device") for amp in PRECISIONS),
+    *((amp, CHANNELS_LAST, "on-device") for amp in PRECISIONS),
 ]
-IDS = [f"{amp}-{'every-switch' if switches else 'plain'}-{feed}" for amp, switches, feed in CASES]
+NAMES = {0: "plain", len(CHANNELS_LAST): "channels-last", len(EVERY_SWITCH): "every-switch"}
+IDS = [f"{amp}-{NAMES[len(switches)]}-{feed}" for amp, switches, feed in CASES]
 
 
 @pytest.mark.parametrize("amp, switches, feed", CASES, ids=IDS)
