@@ -12,12 +12,14 @@ import sys
 from PIL import Image
 from torch.utils.data import Dataset
 
+from dataset.ahead import EpochsAhead  # noqa: F401 (the scripts' loaders)
 from dataset.folders import DataSplit
 from dataset.images import load_rgb
-from dataset.in_memory import DecodedImages, decode_once
+from dataset.in_memory import ONE_PROCESS, DecodedImages, decode_once
 from dataset.on_device import SKIPPED, TrainingBatches, ValidationBatches  # noqa: F401 (the scripts' batches)
 from dataset.sampling import SeededSamples
 from dataset.transforms import train_transform, val_transform
+from multi_train_utils.distributed_utils import Process
 
 
 class MyDataSet(Dataset):
@@ -56,13 +58,13 @@ class MyDataSet(Dataset):
         return image, label
 
 
-def datasets(split: DataSplit, config, processes_here: int = 1) -> tuple["SeededSamples", MyDataSet, str]:
+def datasets(split: DataSplit, config, process: Process = ONE_PROCESS) -> tuple["SeededSamples", MyDataSet, str]:
     """The training set (augmented, each image seeded by SeededBatchSampler) and the validation set of a split,
     at `config`'s image size and augmentation (a Config: img_size, auto_augment, random_erase), their images
-    decoded once into memory where --image-cache-gb allows (decode_once, for one of `processes_here` training
-    processes on this machine); and the line saying whether they were."""
+    decoded once into memory where --image-cache-gb allows (decode_once; DDP: once for the processes of this
+    machine, `process` saying this one's place among them); and the line saying whether they were."""
     augment = train_transform(config.img_size, auto_augment=config.auto_augment, random_erase=config.random_erase)
     train_set = MyDataSet(split.train_images, split.train_labels, augment)
     val_set = MyDataSet(split.val_images, split.val_labels, val_transform(config.img_size))
-    decoded = decode_once([train_set, val_set], config.image_cache_gb, processes_here)
+    decoded = decode_once([train_set, val_set], config.image_cache_gb, process)
     return SeededSamples(train_set), val_set, decoded

@@ -30,7 +30,7 @@ from multi_train_utils.distributed_utils import (
 from multi_train_utils.stop_and_resume import ignore_stop_signals, resume_from, saving_a_step_on_stop
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training, train_one_epoch, validate
-from my_dataset import TrainingBatches, ValidationBatches, datasets
+from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets
 from recipe.config import parse_config
 from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
@@ -60,8 +60,9 @@ def main(argv=None):
 def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
-    # The images, decoded once into memory where they fit (--image-cache-gb). DDP: each process decodes its own
-    train_set, val_set, decoded = datasets(plan.split, config, process.local_world_size)
+    # The images, decoded once into memory where they fit (--image-cache-gb). DDP: once for the processes of a
+    # machine, by its first, the others reading what it decoded
+    train_set, val_set, decoded = datasets(plan.split, config, process)
     # DDP: the processes on this machine share its cores; what the flags leave to auto, rank 0 measures for all
     workers, compute = tune(config, plan, device, process.local_world_size, train_set)
     announce(config, plan, process, workers, decoded)
@@ -76,9 +77,9 @@ def train(config, plan, process) -> dict:
     if compute.on_device:  # the images held on the device, each batch cropped and flipped there (--batches)
         train_loader = TrainingBatches(train_set, batches, device, compute.memory_format)
         val_loader = ValidationBatches(val_set, val_sampler, config.batch_size, device)
-    else:  # loader processes crop and flip each image, and send the batches
-        train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
-        val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
+    else:  # loader processes crop and flip each image and send the batches (the next epoch's from this one's end)
+        train_loader = EpochsAhead(DataLoader(train_set, batch_sampler=batches, **loading), config.epochs)
+        val_loader = EpochsAhead(DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading))
 
     # The model: the same seeded initial weights in every process (DDP also broadcasts rank 0's when it wraps)
     model = initial_model(

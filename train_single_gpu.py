@@ -18,7 +18,7 @@ from multi_train_utils.bookkeeping import unreadable_limits
 from multi_train_utils.distributed_utils import shuffled_batches, single_process
 from multi_train_utils.stop_and_resume import ignore_stop_signals, resume_from, saving_a_step_on_stop
 from multi_train_utils.train_eval_utils import Training, train_one_epoch, validate
-from my_dataset import TrainingBatches, ValidationBatches, datasets
+from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets
 from recipe.config import parse_config
 from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
@@ -41,7 +41,7 @@ def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
     # The images, decoded once into memory where they fit (--image-cache-gb): every epoch then only crops and flips
-    train_set, val_set, decoded = datasets(plan.split, config, 1)
+    train_set, val_set, decoded = datasets(plan.split, config, process)
     # This process has the machine's cores; the loader workers, precision, layout and where batches are made, as far
     # as the flags leave them to auto, are measured on them (or remembered from an earlier run): run/autotune.py
     workers, compute = tune(config, plan, device, 1, train_set)
@@ -56,9 +56,9 @@ def train(config, plan, process) -> dict:
     if compute.on_device:  # the images held on the device, each batch cropped and flipped there (--batches)
         train_loader = TrainingBatches(train_set, batches, device, compute.memory_format)
         val_loader = ValidationBatches(val_set, val_sampler, config.batch_size, device)
-    else:  # loader processes crop and flip each image, and send the batches
-        train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
-        val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
+    else:  # loader processes crop and flip each image and send the batches (the next epoch's from this one's end)
+        train_loader = EpochsAhead(DataLoader(train_set, batch_sampler=batches, **loading), config.epochs)
+        val_loader = EpochsAhead(DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading))
 
     # The model, its initial weights seeded
     model = initial_model(

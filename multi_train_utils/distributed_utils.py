@@ -309,6 +309,11 @@ def broadcast_object(obj):
     return holder[0]
 
 
+def wait_for_all() -> None:
+    """Return once every process has come here (a barrier; nothing to wait for in a world of one)."""
+    broadcast_object(None)
+
+
 def on_main_process(function, *args) -> None:
     """Call function(*args) on rank 0 alone, while the other ranks wait for it to finish. A UserError it raises
     (a full disk while saving, say) is raised on every rank at once, so that all stop together instead of

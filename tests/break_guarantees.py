@@ -208,7 +208,9 @@ BREAKS = [
      "    log.wait_for_writes()\n", "", PR + "test_a_stop_during_an_epochs_write_waits_for_it_and_resumes_bitwise"),
     ("17b the run's end not waiting for the last write", "run/run_log.py",
      "            self.wait_for_writes()  # the epochs ended well", "            pass  # the epochs ended well",
-     TK + "test_each_epoch_is_logged_once_with_the_figures_of_the_run_that_finished_it"),
+     "tests/test_filesystem.py::test_a_full_disk_while_saving_stops_the_run_in_one_line_and_resume_continues"),
+    ("17c two ranks of a machine decoding", "dataset/in_memory.py", "    if process.local_world_size == 1:\n",
+     "    if True:\n", "tests/test_dataset.py::test_the_processes_of_a_machine_decode_its_images_once_between_them"),
     # Batches made on the device (dataset/on_device.py, issue 43)
     ("16a a crop box drawn from another seed", "dataset/on_device.py",
      "np.array([seed for _, seed in pairs], dtype=np.uint64)",

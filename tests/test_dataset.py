@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from spawn_world import spawn_world
 from torch.utils.data import DataLoader, get_worker_info
 
 import dataset.in_memory as decoding
@@ -15,6 +16,7 @@ from dataset.images import load_rgb
 from dataset.in_memory import decode_once, in_chunks
 from dataset.sampling import SeededBatchSampler, SeededSamples, sample_seed
 from dataset.transforms import normalise, train_transform, val_transform
+from multi_train_utils.distributed_utils import Process
 from my_dataset import SKIPPED, MyDataSet
 
 pytestmark = pytest.mark.fast  # no script started, no training run
@@ -163,10 +165,10 @@ def test_images_are_decoded_once_only_where_they_fit_the_memory_budget(tmp_path,
     assert data.decoded is None and "they would take 0.0 GB, more than the 0.0 GB of --image-cache-gb" in line
     # By default a quarter of the memory the run may use (machine.memory_limit), shared among its processes here
     monkeypatch.setattr(decoding, "memory_limit", lambda: (4 * needed, "SLURM's --mem, SLURM_MEM_PER_NODE"))
-    line = decode_once([data], None, processes_here=2)
+    line = decode_once([data], None, Process(local_world_size=2))
     assert "decoded from their files" in line and data.decoded is None
     assert f"of the {4 * needed / 1e9:.1f} GB this run may use (SLURM's --mem, SLURM_MEM_PER_NODE)" in line
-    line = decode_once([data], None, processes_here=1)
+    line = decode_once([data], None, Process())
     assert "4 decoded once" in line and data.decoded is not None and "SLURM_MEM_PER_NODE" in line
     monkeypatch.setattr(decoding, "memory_limit", lambda: (None, "this system does not say its memory"))
     assert "does not say its memory" in decode_once([MyDataSet(paths, [0] * 4, val_transform(32))], None)
@@ -179,6 +181,38 @@ def test_an_image_that_decodes_to_another_size_than_its_header_says_is_read_from
     decode_once([data], gigabytes=1)
     assert data.decoded.offsets.tolist() == [-1] * 5
     assert all(torch.equal(data[i][0], MyDataSet(paths, [0] * 5, val_transform(32))[i][0]) for i in range(5))
+
+
+def _decode_in_rank(rank, world_size, paths, out, temporary):
+    """One of the processes of a machine: decode `paths` with decode_once, counting the images this process
+    decoded itself, sharing them in `temporary` alone; what it holds goes to out/<rank>.pt."""
+    decoding.SHARED_FOLDERS = [temporary]
+    calls, decode = [], decoding.load_rgb
+    decoding.load_rgb = lambda *args, **kwargs: calls.append(args[0]) or decode(*args, **kwargs)
+    data = MyDataSet(paths, [0] * len(paths), val_transform(32))
+    line = decode_once([data], 1, Process(rank, world_size, rank, world_size))
+    held = vars(data.decoded)
+    torch.save({"decoded_here": len(calls), "line": line, **held}, out / f"{rank}.pt")
+
+
+@pytest.mark.parametrize("shareable", [True, False], ids=["shared", "temporary-folder-missing"])
+def test_the_processes_of_a_machine_decode_its_images_once_between_them(tmp_path, shareable):
+    paths = varied_images(tmp_path)  # 5 images and a broken file, decoded by no one
+    temporary = tmp_path / "tmp"
+    if shareable:
+        temporary.mkdir()
+    alone = MyDataSet(paths, [0] * len(paths), val_transform(32))
+    decode_once([alone], 1)
+    spawn_world(_decode_in_rank, 2, paths, tmp_path, temporary)
+    first, second = (torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in (0, 1))
+    for held in (first, second):  # every process holds what one process alone decodes
+        assert all(torch.equal(held[name], value) for name, value in vars(alone.decoded).items())
+    assert first["decoded_here"] == 5 and "on this machine for its 2 processes" in first["line"]
+    if shareable:
+        assert second["decoded_here"] == 0 and second["line"] == first["line"]
+        assert list(temporary.iterdir()) == []  # the file they shared is gone
+    else:  # the file could not be written: each decodes its own, and the line says why
+        assert second["decoded_here"] == 5 and "each process of this machine decodes its own" in first["line"]
 
 
 def shared_or_fail(worker: int) -> None:

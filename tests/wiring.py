@@ -14,7 +14,7 @@ from multi_train_utils.distributed_utils import Process, shuffled_batches, val_s
 from multi_train_utils.stop_and_resume import ignore_stop_signals
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training
-from my_dataset import TrainingBatches, ValidationBatches, datasets
+from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets
 from recipe.config import Config
 from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
@@ -32,7 +32,7 @@ def loaders(
     config = Config(img_size=img_size, batch_size=batch_size, seed=seed, **augment)
     plan, process, device = SimpleNamespace(split=split), Process(rank, world_size), CPU
     # statement for statement: train_multi_gpu_using_launch.py
-    train_set, val_set, decoded = datasets(plan.split, config, process.local_world_size)
+    train_set, val_set, decoded = datasets(plan.split, config, process)
     # end of train_multi_gpu_using_launch.py
     # statement for statement: train_multi_gpu_using_launch.py
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
@@ -44,8 +44,8 @@ def loaders(
         train_loader = TrainingBatches(train_set, batches, device, compute.memory_format)
         val_loader = ValidationBatches(val_set, val_sampler, config.batch_size, device)
     else:
-        train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
-        val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
+        train_loader = EpochsAhead(DataLoader(train_set, batch_sampler=batches, **loading), config.epochs)
+        val_loader = EpochsAhead(DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading))
     # end of train_multi_gpu_using_launch.py
     return train_loader, val_loader
 

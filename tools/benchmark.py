@@ -97,10 +97,10 @@ from dataset.folders import read_split_data  # noqa: E402
 from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
 from machine import describe_cpu, use_cores  # noqa: E402
 from model import create_model, data_parallel_over_gpus, initial_model  # noqa: E402
-from multi_train_utils.distributed_utils import resolve_device, shuffled_batches  # noqa: E402
+from multi_train_utils.distributed_utils import Process, resolve_device, shuffled_batches  # noqa: E402
 from multi_train_utils.stop_and_resume import ignore_stop_signals  # noqa: E402
 from multi_train_utils.train_eval_utils import Training, train_one_epoch  # noqa: E402
-from my_dataset import TrainingBatches, ValidationBatches, datasets  # noqa: E402
+from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets  # noqa: E402
 from plot_results import plot_benchmark  # noqa: E402
 from recipe.config import DEMO_DEFAULTS, SINGLE, Config, parse_config  # noqa: E402
 from recipe.loss import build_objective  # noqa: E402
@@ -288,9 +288,9 @@ def training_loader(split, config, workers: int, device: torch.device, compute: 
     """The training and validation loaders as train_single_gpu.py builds them, for `config` (a Config) and
     `workers` loader workers on `device` computing as `compute` says (batches made on the device where
     compute.on_device), and the line saying whether the images were decoded once into memory."""
-    plan = SimpleNamespace(split=split)
+    plan, process = SimpleNamespace(split=split), Process(device=device)
     # statement for statement: train_single_gpu.py
-    train_set, val_set, decoded = datasets(plan.split, config, 1)
+    train_set, val_set, decoded = datasets(plan.split, config, process)
     # end of train_single_gpu.py
     # statement for statement: train_single_gpu.py
     loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
@@ -302,8 +302,8 @@ def training_loader(split, config, workers: int, device: torch.device, compute: 
         train_loader = TrainingBatches(train_set, batches, device, compute.memory_format)
         val_loader = ValidationBatches(val_set, val_sampler, config.batch_size, device)
     else:
-        train_loader = DataLoader(train_set, batch_sampler=batches, **loading)
-        val_loader = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
+        train_loader = EpochsAhead(DataLoader(train_set, batch_sampler=batches, **loading), config.epochs)
+        val_loader = EpochsAhead(DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading))
     # end of train_single_gpu.py
     return train_loader, val_loader, decoded
 

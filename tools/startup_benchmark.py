@@ -14,13 +14,16 @@ TMPDIR/benchmark_startup/ and kept for the next time), and:
   (read_split_data without the check), the image check cold and warm (listing included), split_fingerprint (a
   resume's check and args.json's record; once per rank), decoding the images once into memory (decode_once, with
   its default budget; every start, on every rank) and the gigabytes they take there, the size of
-  checked_images.json, and of the split pickled (what the spawn script sends each worker).
+  checked_images.json, and of the split pickled (what the spawn script sends each worker); and the seconds until two
+  training processes both hold the images decoded, each decoding its own (as before 2026-11-27) against one decoding
+  shared by the two (decode_once now).
 The operating system's file cache is warm in every case (the images were just written or read): on a network
 filesystem, listing and the cold check cost more.
 """
 
 import argparse
 import datetime
+import json
 import os
 import pickle
 import shutil
@@ -32,13 +35,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from PIL import Image
 
 from dataset.folders import read_split_data, split_fingerprint
 from dataset.image_check import CHECKED_IMAGES, ImageCheck
-from dataset.in_memory import decode_once
+from dataset.in_memory import decode_here, decode_once
 from dataset.transforms import train_transform, val_transform
-from machine import describe_cpu
+from machine import cores_per_process, describe_cpu
+from multi_train_utils.distributed_utils import Process, wait_for_all
+from multi_train_utils.spawn_utils import find_free_port
 from my_dataset import MyDataSet
 from utils import UserError, write_json
 
@@ -73,7 +80,7 @@ def startup_benchmark(counts: list[int], output_dir: Path, device: str) -> None:
     rows = []
     for count in counts:
         data = small_images(DATA / f"{count}_images_32px", count)
-        row = {"images": count, **startup_parts(data)}
+        row = {"images": count, **startup_parts(data), **decoding_in_two_processes(data)}
         command = [sys.executable, str(ROOT / "train_single_gpu.py"), "--data-path", str(data), *FLAGS]
         run = output_dir / "startup-runs" / str(count)
         command += ["--device", device, "--output-dir", str(run)]
@@ -135,6 +142,43 @@ def startup_parts(data: Path) -> dict:
         }  # fmt: skip
 
 
+def decoding_in_two_processes(data: Path, img_size: int = IMG_SIZE) -> dict:
+    """Seconds until two training processes on this machine (a gloo group, started by spawn) both hold every image
+    of `data` decoded for training at `img_size`, the slower one's: as before 2026-11-27, each decoding all of them
+    on its half of the cores (decode_here), and as decode_once does now, the first decoding them on all the cores
+    for both."""
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(
+            decode_in_rank, args=(find_free_port(), data, img_size, Path(folder)), nprocs=2, start_method="spawn"
+        )
+        seconds = [json.loads((Path(folder) / f"{rank}.json").read_text()) for rank in range(2)]
+    return {key: max(rank[key] for rank in seconds) for key in ("decode_2_each_s", "decode_2_shared_s")}
+
+
+def decode_in_rank(rank: int, port: int, data: Path, img_size: int, folder: Path) -> None:
+    """Process `rank` of decoding_in_two_processes: its seconds, each way, to folder/<rank>.json."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        split = read_split_data(data)
+
+        def decoded(decode, *args) -> float:
+            sets = [
+                MyDataSet(split.train_images, split.train_labels, train_transform(img_size)),
+                MyDataSet(split.val_images, split.val_labels, val_transform(img_size)),
+            ]
+            wait_for_all()
+            seconds, _ = timed(lambda: (decode(sets, None, *args), wait_for_all()))
+            assert all(data.decoded is not None for data in sets), "the images were not decoded into memory"
+            return seconds
+
+        each = decoded(decode_here, 2, cores_per_process(2))
+        shared = decoded(decode_once, Process(rank, 2, rank, 2))
+        write_json(folder / f"{rank}.json", {"decode_2_each_s": each, "decode_2_shared_s": shared})
+    finally:
+        dist.destroy_process_group()
+
+
 def timed(function, *args, **kwargs):
     start = time.perf_counter()
     result = function(*args, **kwargs)
@@ -169,14 +213,16 @@ def seconds_to_first_step(command: list[str], log: Path) -> float:
 def startup_table(rows: list[dict]) -> str:
     lines = [
         "| images | to first step, cold (s) | warm (s) | listing (s) | check, cold (s) | check, warm (s) "
-        "| split_fingerprint (s) | decode once (s) | decoded (GB) | checked_images.json (MB) | split pickled (MB) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| split_fingerprint (s) | decode once (s) | decoded (GB) | 2 processes: each decodes (s) | 2 processes: "
+        "decoded once (s) | checked_images.json (MB) | split pickled (MB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['images']:,} | {r['first_step_cold_s']:.1f} | {r['first_step_warm_s']:.1f} | {r['listing_s']:.2f} "
             f"| {r['check_cold_s']:.2f} | {r['check_warm_s']:.2f} | {r['split_fingerprint_s']:.2f} "
-            f"| {r['decode_once_s']:.2f} | {r['decoded_gb']:.2f} "
+            f"| {r['decode_once_s']:.2f} | {r['decoded_gb']:.2f} | {r['decode_2_each_s']:.2f} "
+            f"| {r['decode_2_shared_s']:.2f} "
             f"| {r['checked_images_mb']:.1f} | {r['split_pickled_mb']:.1f} |"
         )
     return "\n".join(lines)
