@@ -9,6 +9,7 @@ AVX2-only one does (an AMD EPYC, most laptops): that is how this project checks 
 and why every decision here reads the caps, not only what the processor could do.
 """
 
+import math
 import os
 import platform
 import subprocess
@@ -53,9 +54,68 @@ def cpu_bfloat16() -> tuple[bool, str]:
     return True, "this CPU has AMX/AVX512-BF16"
 
 
-def available_cores() -> int:
-    """CPU cores this process may run on (fewer than the machine has under taskset, SLURM or a container)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def available_cores(root: Path = Path("/")) -> int:
+    """CPU cores this process may use: those its affinity allows (fewer than the machine has under taskset or
+    SLURM), and no more than its cgroup's CPU quota allows (a container's CPU limit in Docker, a Kubernetes CPU
+    limit: cpu_quota), rounded up: 1.5 CPUs of quota keep 2 threads busy three quarters of the time, more work
+    than 1 thread does. `root` is where /proc and /sys are found."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cpu_quota(root)
+    return max(1, min(cores, math.ceil(quota[0]))) if quota else cores
+
+
+def cpu_quota(root: Path = Path("/")) -> tuple[float, str] | None:
+    """(the CPUs' worth of time this process's cgroups allow it, the file that says so): the smallest quota set on
+    its cgroup or one above it, cgroup v2's cpu.max ("150000 100000": 1.5 CPUs; "max 100000": none) or v1's
+    cpu.cfs_quota_us over cpu.cfs_period_us (-1: none); None where none is set (Windows and macOS have no
+    cgroups)."""
+    quotas = []
+    for version, mount, cgroup in cgroups(root, "cpu"):
+        for folder in folders_above(mount, cgroup):
+            if version == 2:
+                quota, _, period = read_or_empty(folder / "cpu.max").partition(" ")
+                source = folder / "cpu.max"
+            else:
+                quota, period = (read_or_empty(folder / name) for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+                source = folder / "cpu.cfs_quota_us"
+            if quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0:
+                quotas.append((int(quota) / int(period), f"the cgroup's CPU quota in {source}"))
+    return min(quotas, default=None)
+
+
+def cgroups(root: Path, controller: str) -> list[tuple[int, Path, str]]:
+    """(cgroup version, where its files are mounted, this process's cgroup path) for `controller` ("memory",
+    "cpu"), from /proc/self/cgroup under `root`; none where it cannot be read. A cgroup's path in /proc/self/cgroup
+    may not exist in a container's view of /sys/fs/cgroup, whose top is the container's own cgroup: the files that
+    do not exist are passed over by those who read them."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, _, entry = line.partition(":")
+        controllers, _, cgroup = entry.partition(":")
+        if controllers == "":  # cgroup v2: "0::/path"
+            found.append((2, root / "sys/fs/cgroup", cgroup))
+        elif controller in controllers.split(","):  # cgroup v1: "4:memory:/path", "3:cpu,cpuacct:/path"
+            mount = root / "sys/fs/cgroup" / controllers
+            found.append((1, mount if mount.is_dir() else root / "sys/fs/cgroup" / controller, cgroup))
+    return found
+
+
+def folders_above(mount: Path, cgroup: str) -> list[Path]:
+    """The folder of `cgroup` under `mount`, and of every cgroup above it, up to the mount's."""
+    parts = [part for part in cgroup.split("/") if part]
+    return [mount.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def read_or_empty(path: Path) -> str:
+    """The file's text, stripped; "" where it cannot be read."""
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
 
 
 def physical_memory() -> int | None:
@@ -94,37 +154,14 @@ def memory_limit(root: Path = Path("/")) -> tuple[int | None, str]:
 
 def cgroup_memory_limits(root: Path) -> list[tuple[int, str]]:
     """The memory limits set on this process's cgroups and on those above them (cgroup v2's memory.max, v1's
-    memory.limit_in_bytes), each with its file; none where /proc/self/cgroup cannot be read. A cgroup's path in
-    /proc/self/cgroup may not exist in a container's view of /sys/fs/cgroup, whose top is the container's own
-    cgroup: the files that do not exist are passed over."""
-    try:
-        lines = (root / "proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
+    memory.limit_in_bytes), each with its file; "max" (v2) or a huge number (v1) is no limit."""
     limits = []
-    for line in lines:
-        _, _, entry = line.partition(":")
-        controllers, _, cgroup = entry.partition(":")
-        if controllers == "":  # cgroup v2: "0::/path"
-            limits += limits_above(root / "sys/fs/cgroup", cgroup, "memory.max")
-        elif "memory" in controllers.split(","):  # cgroup v1: "4:memory:/path"
-            limits += limits_above(root / "sys/fs/cgroup/memory", cgroup, "memory.limit_in_bytes")
-    return limits
-
-
-def limits_above(mount: Path, cgroup: str, name: str) -> list[tuple[int, str]]:
-    """The limits in the file `name` of `cgroup` (a path under `mount`) and of every cgroup above it, with the
-    file each comes from; "max" (v2) or a huge number (v1) is no limit."""
-    parts = [part for part in cgroup.split("/") if part]
-    limits = []
-    for depth in range(len(parts), -1, -1):
-        path = mount.joinpath(*parts[:depth], name)
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and 0 < int(text) < NO_CGROUP_LIMIT:
-            limits.append((int(text), f"the cgroup limit in {path}"))
+    for version, mount, cgroup in cgroups(root, "memory"):
+        for folder in folders_above(mount, cgroup):
+            path = folder / ("memory.max" if version == 2 else "memory.limit_in_bytes")
+            text = read_or_empty(path)
+            if text.isdigit() and 0 < int(text) < NO_CGROUP_LIMIT:
+                limits.append((int(text), f"the cgroup limit in {path}"))
     return limits
 
 

@@ -393,6 +393,28 @@ def check_model_options(name: str, grad_checkpointing: bool, layer_decay: float)
         layer_scales(model, name, layer_decay)
 
 
+def check_input_size(name: str, img_size: int) -> None:
+    """Refuse, before anything starts, an --img-size the model cannot take (a ViT's fixed size, say): one image of
+    that size through the model without memory (model_skeleton, in eval mode: a batch of one is fine there), and
+    the model's own refusal, in one line. Where the meta device cannot run the model, its first step will tell."""
+    model = sizing_skeleton(name)
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            model(torch.empty(1, 3, img_size, img_size, device=device))
+    except NotImplementedError:
+        return
+    except (AssertionError, RuntimeError, ValueError) as error:
+        said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"--model {name} does not take --img-size {img_size} images: {said}") from None
+
+
+@functools.cache
+def sizing_skeleton(name: str) -> nn.Module:
+    """model_skeleton(name) in eval mode, built once (check_input_size asks for every configuration checked)."""
+    return model_skeleton(name).eval()
+
+
 # --- gradient checkpointing --------------------------------------------------------------------------------------
 
 # torchvision's families whose blocks are known: the nn.Sequential(s) that hold them, one block after another.

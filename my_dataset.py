@@ -9,6 +9,7 @@ on the device (on_device.py, with each image's crop box drawn in crop_boxes.py).
 
 import sys
 
+import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
@@ -20,6 +21,7 @@ from dataset.on_device import SKIPPED, TrainingBatches, ValidationBatches  # noq
 from dataset.sampling import SeededSamples
 from dataset.transforms import train_transform, val_transform
 from multi_train_utils.distributed_utils import Process
+from multi_train_utils.stop_and_resume import ignore_stop_signals
 
 
 class MyDataSet(Dataset):
@@ -68,3 +70,12 @@ def datasets(split: DataSplit, config, process: Process = ONE_PROCESS) -> tuple[
     val_set = MyDataSet(split.val_images, split.val_labels, val_transform(config.img_size))
     decoded = decode_once([train_set, val_set], config.image_cache_gb, process)
     return SeededSamples(train_set), val_set, decoded
+
+
+def loader_options(workers: int, config, device: torch.device) -> dict:
+    """The DataLoader settings of the training scripts' loaders: `workers` loader processes, kept between epochs
+    (unless --no-persistent-workers, as the original scripts did), which leave a stop signal to the training
+    process to act on, at a step (ignore_stop_signals); on a GPU, batches in pinned memory, so that their copies to
+    it overlap with its work."""
+    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
+    return loading | {"pin_memory": device.type == "cuda", "worker_init_fn": ignore_stop_signals}

@@ -27,10 +27,10 @@ from multi_train_utils.distributed_utils import (
     shuffled_batches,
     val_shard,
 )
-from multi_train_utils.stop_and_resume import ignore_stop_signals, resume_from, saving_a_step_on_stop
+from multi_train_utils.stop_and_resume import resume_from, saving_a_step_on_stop
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training, train_one_epoch, validate
-from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets
+from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets, loader_options
 from recipe.config import parse_config
 from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
@@ -60,15 +60,12 @@ def main(argv=None):
 def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
-    # The images, decoded once into memory where they fit (--image-cache-gb). DDP: once for the processes of a
-    # machine, by its first, the others reading what it decoded
+    # The images, decoded once into memory where they fit (--image-cache-gb); DDP: once for a machine's processes
     train_set, val_set, decoded = datasets(plan.split, config, process)
     # DDP: the processes on this machine share its cores; what the flags leave to auto, rank 0 measures for all
     workers, compute = tune(config, plan, device, process.local_world_size, train_set)
     announce(config, plan, process, workers, decoded)
-    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
-    loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
-    loading["worker_init_fn"] = ignore_stop_signals  # a stop signal is for this process to act on, at a step
+    loading = loader_options(workers, config, device)  # persistent workers; batches pinned for a GPU
 
     # The data. DDP: each process trains on its own shard of every epoch's shuffle (a DistributedSampler)...
     batches = shuffled_batches(train_set, config.batch_size, config.seed, process.rank, process.world_size)
@@ -83,9 +80,8 @@ def train(config, plan, process) -> dict:
 
     # The model: the same seeded initial weights in every process (DDP also broadcasts rank 0's when it wraps)
     model = initial_model(
-        config.model, len(plan.split.classes), device, compute.memory_format,
-        seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
-        grad_checkpointing=config.grad_checkpointing,
+        config.model, len(plan.split.classes), device, compute.memory_format, seed=config.seed, weights=plan.weights,
+        freeze=config.freeze_layers, grad_checkpointing=config.grad_checkpointing,
     )  # fmt: skip
     if config.sync_bn and not config.freeze_layers:  # (frozen layers: synchronised statistics would buy nothing)
         model = convert_sync_batchnorm(model)  # DDP: BatchNorm statistics over the global batch
@@ -103,12 +99,10 @@ def train(config, plan, process) -> dict:
     start_epoch, best_acc = resume_from(plan.resume, model, training, config.epochs)
 
     # DDP: rank 0 alone writes the run's files; the others keep theirs closed
-    log = RunLog(config, plan, process, compute, val_set, start_epoch, best_acc, enabled=is_main_process())
+    log, metrics = RunLog(config, plan, process, compute, val_set, start_epoch, best_acc, enabled=is_main_process()), {}
     expected = (len(train_loader) * config.batch_size * process.world_size, len(val_set))  # an epoch's images
     limits = unreadable_limits(*expected, config.strict_images)
-    metrics = {}
-    # A stop signal (SIGTERM, SIGUSR1: preemption, a time limit) ends the run at a step, saved for --auto-resume
-    with saving_a_step_on_stop(log, model, training):
+    with saving_a_step_on_stop(log, model, training):  # a stop signal (SIGTERM, SIGUSR1) ends at a step, saved
         for epoch in range(start_epoch, config.epochs):
             batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch; DDP: every shard moves with it
             lr, start = training.epoch_lr(), training.epoch_start()

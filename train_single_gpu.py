@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader
 from model import data_parallel_over_gpus, initial_model
 from multi_train_utils.bookkeeping import unreadable_limits
 from multi_train_utils.distributed_utils import shuffled_batches, single_process
-from multi_train_utils.stop_and_resume import ignore_stop_signals, resume_from, saving_a_step_on_stop
+from multi_train_utils.stop_and_resume import resume_from, saving_a_step_on_stop
 from multi_train_utils.train_eval_utils import Training, train_one_epoch, validate
-from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets
+from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets, loader_options
 from recipe.config import parse_config
 from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
@@ -46,9 +46,7 @@ def train(config, plan, process) -> dict:
     # as the flags leave them to auto, are measured on them (or remembered from an earlier run): run/autotune.py
     workers, compute = tune(config, plan, device, 1, train_set)
     announce(config, plan, process, workers, decoded)
-    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
-    loading["pin_memory"] = device.type == "cuda"  # the copies to the GPU then overlap with its work
-    loading["worker_init_fn"] = ignore_stop_signals  # a stop signal is for this process to act on, at a step
+    loading = loader_options(workers, config, device)  # persistent workers; batches pinned for a GPU
 
     # The data: every epoch a new seeded shuffle of all the training images, in batches
     batches = shuffled_batches(train_set, config.batch_size, config.seed)
@@ -62,9 +60,8 @@ def train(config, plan, process) -> dict:
 
     # The model, its initial weights seeded
     model = initial_model(
-        config.model, len(plan.split.classes), device, compute.memory_format,
-        seed=config.seed, weights=plan.weights, freeze=config.freeze_layers,
-        grad_checkpointing=config.grad_checkpointing,
+        config.model, len(plan.split.classes), device, compute.memory_format, seed=config.seed, weights=plan.weights,
+        freeze=config.freeze_layers, grad_checkpointing=config.grad_checkpointing,
     )  # fmt: skip
     trained = data_parallel_over_gpus(model, device) if config.data_parallel else model
     trained = torch.compile(trained) if config.compile else trained
@@ -78,12 +75,10 @@ def train(config, plan, process) -> dict:
     )  # fmt: skip
     start_epoch, best_acc = resume_from(plan.resume, model, training, config.epochs)
 
-    log = RunLog(config, plan, process, compute, val_set, start_epoch, best_acc)
+    log, metrics = RunLog(config, plan, process, compute, val_set, start_epoch, best_acc), {}
     expected = (len(train_loader) * config.batch_size * process.world_size, len(val_set))  # an epoch's images
     limits = unreadable_limits(*expected, config.strict_images)
-    metrics = {}
-    # A stop signal (SIGTERM, SIGUSR1: preemption, a time limit) ends the run at a step, saved for --auto-resume
-    with saving_a_step_on_stop(log, model, training):
+    with saving_a_step_on_stop(log, model, training):  # a stop signal (SIGTERM, SIGUSR1) ends at a step, saved
         for epoch in range(start_epoch, config.epochs):
             batches.set_epoch(epoch)  # a new shuffle (and new augmentation) every epoch
             lr, start = training.epoch_lr(), training.epoch_start()

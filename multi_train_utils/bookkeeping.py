@@ -29,7 +29,8 @@ def progress_bar(batches, description: str, **options) -> tqdm:
 
 
 class EpochSteps:
-    """An epoch's batches, as train_one_epoch takes them (`for step, (images, labels) in steps`), and their books.
+    """An epoch's batches (`for step, batch in steps`, each step's random draws seeded; as train_one_epoch takes
+    them, on the device and in micro-batches: `batches`), and their books.
 
     `training` is a train_eval_utils.Training: its accumulation decides which batches end an optimizer step
     (`last_of_group`, `group_size`); its `midway`, where a resumed run continues an epoch it stopped in (taken, and
@@ -55,6 +56,18 @@ class EpochSteps:
         for step, batch in enumerate(self.progress, start=start):
             self.seed_random_draws(step)
             yield step, batch
+
+    def batches(self):
+        """The epoch's steps as train_one_epoch takes them: (step, the batch's readable images, its size, its
+        micro-batches), each batch's readable images counted on the host, where the loader left the labels, then
+        the batch moved to the device, mixed by the objective (--mixup-alpha, --cutmix-alpha) and cut into the
+        micro-batches of the training's compute (--micro-batch)."""
+        compute, objective, device = self.training.compute, self.training.objective, self.device
+        for step, (images, labels) in self:
+            read = readable(labels)
+            images, labels = compute.batch_to(images, device), labels.to(device, non_blocking=device.type == "cuda")
+            images, mixing = objective.mix(images, self.epoch, step)
+            yield step, read, len(labels), objective.pieces(images, labels, mixing, compute.micro_batch)
 
     def seed_random_draws(self, step: int) -> None:
         """Seed what the step draws from (dropout's and stochastic depth's masks, on the CPU's generator and on

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from multi_train_utils.bookkeeping import EpochSteps, Tally, progress_bar, readable
+from multi_train_utils.bookkeeping import EpochSteps, Tally, progress_bar
 from multi_train_utils.memory import out_of_memory
 from multi_train_utils.stop_and_resume import Midway
 from recipe.loss import Objective
@@ -76,27 +76,24 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
     model.train()
     training.optimizer.zero_grad(set_to_none=True)
     steps = EpochSteps(training, data_loader, device, epoch, max_skipped)
-    for step, (images, labels) in steps:
-        read = readable(labels)  # counted on the host, where the loader left the labels
-        images, labels = compute.batch_to(images, device), labels.to(device, non_blocking=device.type == "cuda")
-        images, mixing = objective.mix(images, epoch, step)
-        pieces = objective.pieces(images, labels, mixing, compute.micro_batch)  # --micro-batch: what fits
-        loss_sum = None
-        for piece, (piece_images, piece_labels, piece_mixing) in enumerate(pieces, start=1):
+    # Each batch on the device, mixed, in micro-batches (EpochSteps.batches). Where nothing of a batch could be read,
+    # its step is a step of nothing (a loss of 0), taken on every rank alike
+    for step, read, batch_size, pieces in steps.batches():
+        loss_sum = 0.0
+        for piece, (images, labels, mixing) in enumerate(pieces, start=1):
             # DDP: the backward passes before a step's last only add up their gradients here (no_sync); the last
             # one's all-reduces the sum, so a step costs one all-reduce whatever --accumulate and --micro-batch are
             with (
                 synchronised(model, steps.last_of_group(step) and piece == len(pieces)),
-                out_of_memory(training, piece_images),
+                out_of_memory(training, images),
             ):
                 with compute.autocast(device):
-                    outputs = model(compute.batch_to(piece_images, device))  # again: mixing may change the layout
-                    piece_sum = objective.loss_sum(outputs, piece_labels, piece_mixing)
-                    # each piece's share of the batch's mean; nothing read: a step of nothing, on every rank alike
-                    loss = piece_sum / read if read else outputs.sum() * 0.0
+                    outputs = model(compute.batch_to(images, device))  # again: mixing may change the layout
+                    piece_sum = objective.loss_sum(outputs, labels, mixing)
+                    loss = piece_sum / read if read else outputs.sum() * 0.0  # its share of the batch's mean
                 steps.scaler.scale(loss / steps.group_size(step)).backward()
-            loss_sum = piece_sum.detach() if loss_sum is None else loss_sum + piece_sum.detach()
-        steps.check(step, loss_sum, read, len(labels))  # the sums, one step behind: loss, unreadable, stop votes
+            loss_sum = loss_sum + piece_sum.detach()
+        steps.check(step, loss_sum, read, batch_size)  # the sums, one step behind: loss, unreadable, stop votes
         if steps.last_of_group(step):
             optimizer_step(training, steps.scaler)
             steps.stop_if_asked(step)  # a stop signal: StopRequested on every rank, after this same step

@@ -384,7 +384,8 @@ def time_loading(train_set, batch_size: int = LOAD_IMAGES, pin_memory: bool = Fa
     batches = shuffled_batches(train_set, batch_size, seed=0)
     if len(batches) < LOADER_BATCHES + 1:
         return time_loading_here(train_set)
-    loading = {"num_workers": 1, "pin_memory": pin_memory, "worker_init_fn": ignore_stop_signals}
+    # One batch asked for at a time: each one timed is made after the last one arrived, never ahead of the clock
+    loading = {"num_workers": 1, "pin_memory": pin_memory, "worker_init_fn": ignore_stop_signals, "prefetch_factor": 1}
     loaded = iter(DataLoader(train_set, batch_sampler=batches, **loading))
     next(loaded)  # the worker starts, and loads its first batch
     start = time.perf_counter()

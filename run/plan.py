@@ -14,7 +14,15 @@ from filelock import BaseFileLock, FileLock, Timeout
 from dataset.demo import DEMO_DATA_PATH, make_demo_data
 from dataset.folders import DataSplit, read_split_data, split_fingerprint
 from dataset.image_check import ImageCheck
-from model import batch_statistics, create_model, load_weights, random_draws, read_state_dict, weights_file
+from model import (
+    batch_statistics,
+    check_input_size,
+    create_model,
+    load_weights,
+    random_draws,
+    read_state_dict,
+    weights_file,
+)
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from multi_train_utils.distributed_utils import check_backend, launcher_environment
 from recipe.config import Config, admitted
@@ -52,6 +60,7 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     folder for the process that writes there; raises UserError for bad input or a folder another live run holds.
     """
     check_backend(config.dist_backend)  # nccl where this torch has none (Windows, macOS): said before any worker
+    check_input_size(config.model, config.img_size)  # a ViT at 48 px: one line, before any folder is made
     data_path = config.data_path or (DEMO_DATA_PATH if config.demo else None)
     if data_path is None:
         raise UserError("no data: give --data-path FOLDER (one sub-folder per class) or --demo")

@@ -24,7 +24,8 @@ from utils import OutputError, describe, write_failure, write_json
 
 def announce(config, plan, process, workers: int, decoded: str) -> None:
     """The run's first lines: how many processes on what, the data (`decoded`: whether its images were decoded
-    once into memory, dataset/in_memory.py's line), the learning rate and the class weights."""
+    once into memory, dataset/in_memory.py's line), the learning rate, the class weights and whether the model is
+    compiled."""
     split = plan.split
     backend = f", backend {torch.distributed.get_backend()}" if process.distributed else ""
     print_once(f"{config.script}: {process.world_size} process(es) on {process.device.type}{backend}")
@@ -37,9 +38,20 @@ def announce(config, plan, process, workers: int, decoded: str) -> None:
         f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; {workers} loader workers per process"
     )
     print_once(decoded)
-    for line in (describe_learning_rate(config, process.world_size), describe_class_weights(config, split)):
+    lines = (describe_learning_rate(config, process.world_size), describe_class_weights(config, split))
+    for line in (*lines, describe_compile(config)):
         if line is not None:
             print_once(line)
+
+
+def describe_compile(config) -> str:
+    """Whether the model is compiled, and why: auto never compiles, as measured (docs/performance.md, "Compiled")."""
+    if config.compile:
+        return "Compile: on (--compile): the first steps compile the model, the later ones run compiled"
+    return (
+        "Compile: off (auto never compiles: measured, a compilation of half a minute or more repays itself only in "
+        "long GPU runs, never on a CPU; --compile to compile, docs/performance.md says when)"
+    )
 
 
 class RunLog:

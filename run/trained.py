@@ -17,11 +17,12 @@ from torch.utils.data import DataLoader
 from dataset.transforms import val_transform
 from machine import use_cores
 from model import create_model, head_classes, load_weights, read_state_dict
+from multi_train_utils.checkpoint import CHECKPOINT_NAME
 from multi_train_utils.stop_and_resume import ignore_stop_signals
 from my_dataset import MyDataSet
 from recipe.config import Config
 from recipe.precision import Compute, choose_compute
-from utils import UserError, advice, number, positive_int, read_json, safe_load
+from utils import UserError, advice, number, positive_int, read_json, safe_load, warn
 
 
 @dataclass
@@ -125,10 +126,7 @@ def load_trained_model(
             f"no class names for {weights}: no class_indices.json beside it or in its run folder; "
             "pass --class-indices RUN/class_indices.json"
         )
-    if args_file is not None:
-        run_args, args_from = read_json(args_file, "run flags file"), f"run flags file {args_file}"
-    else:
-        run_args, args_from = checkpoint.get("args", {}), f"checkpoint {weights}"
+    run_args, args_from, note = run_record(weights, args_file, checkpoint)
     if not isinstance(run_args, dict):
         raise UserError(f"{args_from} does not hold the flags of a run (a JSON object)")
 
@@ -154,7 +152,31 @@ def load_trained_model(
     # (Weights whose run is unknown, or recorded "auto" before runs recorded what auto chose: float32 NCHW.)
     compute = choose_compute(run.amp, run.channels_last, device)[0] if run_args else Compute()
     model = model.to(device, memory_format=compute.memory_format).eval()
+    if note is not None:  # (after the weights loaded: a refusal is one line)
+        warn(note)
     return TrainedModel(model, device, compute, classes, run, run_folder(weights))
+
+
+def run_record(weights: Path, args_file: Path | None, checkpoint: dict) -> tuple[dict, str, str | None]:
+    """The flags of the run that saved `weights`, where they were read, and the warning to give once the weights
+    have loaded (None: none): its args.json (`args_file`); else the record in `checkpoint`, where `weights` is one;
+    else the record in the checkpoint.pth of its run folder (args.json is gone: said); else none (the defaults
+    taken instead: named)."""
+    if args_file is not None:
+        return read_json(args_file, "run flags file"), f"run flags file {args_file}", None
+    if "args" in checkpoint:
+        return checkpoint["args"], f"checkpoint {weights}", None
+    saved = run_file(weights, CHECKPOINT_NAME)
+    data = safe_load(saved, "checkpoint") if saved is not None and saved != weights else None
+    if isinstance(data, dict) and isinstance(data.get("args"), dict):
+        said = f"no args.json beside {weights} or in its run folder: the run's flags are read from {saved}"
+        return data["args"], f"checkpoint {saved}", said
+    defaults = ", ".join(f"--{name.replace('_', '-')} {Config.default(name)}" for name in ("img_size", "model", "amp"))
+    said = (
+        f"no record of the flags of the run that saved {weights} (no args.json or {CHECKPOINT_NAME} beside it or in "
+        f"its run folder): taking the defaults where not given ({defaults}); give the run's own where they differ"
+    )
+    return {}, "the defaults", said
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

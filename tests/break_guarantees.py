@@ -77,8 +77,9 @@ BREAKS = [
      "counts, max_skipped = counts.cpu(), None",  # (else the unreadable-image limit stops the run first)
      TR + "test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_weights"),
     # Copies that must not drift, and words that must stay true (tests/test_wiring.py, tests/test_words.py)
-    ("9a launch script's loaders, not the tests'", LAUNCH, '    loading["pin_memory"] = device.type == "cuda"',
-     '    loading["pin_memory"] = True', WI + "test_a_copied_block_is_statement_for_statement_in_its_scripts_train"),
+    ("9a launch script's loaders, not the tests'", LAUNCH, '    loading = loader_options(workers, config, device)',
+     '    loading = loader_options(workers, config, device) | {"pin_memory": True}',
+     WI + "test_a_copied_block_is_statement_for_statement_in_its_scripts_train"),
     ("9b single script's loader, not the benchmark's", "train_single_gpu.py",
      "shuffled_batches(train_set, config.batch_size, config.seed)",
      "shuffled_batches(train_set, config.batch_size, config.seed + 1)",
@@ -176,7 +177,7 @@ BREAKS = [
      "@atexit.register  # after", "# after",
      "tests/test_preemption.py::test_a_process_whose_loader_workers_were_never_shut_down_exits_at_once"),
     ("14a a micro-batch's loss its own mean", "multi_train_utils/train_eval_utils.py",
-     "loss = piece_sum / read if read", "loss = piece_sum / len(piece_labels) if read",
+     "loss = piece_sum / read if read", "loss = piece_sum / len(labels) if read",
      MB + "test_micro_batches_take_the_step_of_the_whole_batch"),
     ("14b auto takes a micro-batch too large", "multi_train_utils/memory.py", "    return low\n",
      "    return high\n", MB + "test_auto_settles_on_the_largest_micro_batch_that_fits_and_remembers_it"),
@@ -211,6 +212,16 @@ BREAKS = [
      "tests/test_filesystem.py::test_a_full_disk_while_saving_stops_the_run_in_one_line_and_resume_continues"),
     ("17c two ranks of a machine decoding", "dataset/in_memory.py", "    if process.local_world_size == 1:\n",
      "    if True:\n", "tests/test_dataset.py::test_the_processes_of_a_machine_decode_its_images_once_between_them"),
+    # Every case of a class (issue 45)
+    ("18a a container's CPU quota ignored", "machine.py",
+     "    return max(1, min(cores, math.ceil(quota[0]))) if quota else cores\n", "    return cores\n",
+     "tests/test_memory_limit.py::test_a_cgroup_v2_cpu_quota_on_the_cgroup_or_one_above_it_caps_the_cores"),
+    ("18b a run's record in its checkpoint left unread", "run/trained.py",
+     "    saved = run_file(weights, CHECKPOINT_NAME)\n", "    saved = None\n",
+     "tests/test_predict.py::test_weights_whose_run_lost_its_args_json_take_the_flags_its_checkpoint_records_and_say_so"),
+    ("18c a model's input size left unchecked", "run/plan.py",
+     "    check_input_size(config.model, config.img_size)  # a ViT at 48 px: one line, before any folder is made\n", "",
+     "tests/test_bad_input.py::test_a_model_that_cannot_take_the_image_size_is_refused_in_one_line_before_any_folder_is_made"),
     # Batches made on the device (dataset/on_device.py, issue 43)
     ("16a a crop box drawn from another seed", "dataset/on_device.py",
      "np.array([seed for _, seed in pairs], dtype=np.uint64)",

@@ -215,3 +215,15 @@ def test_under_torchrun_a_user_error_is_still_one_line_and_writes_no_error_file(
     result = run_main("train_multi_gpu_using_launch.py", "--data-path", tmp_path / "missing")
     assert_user_error(result, f"data path {tmp_path / 'missing'} does not exist")
     assert not (tmp_path / "error.json").exists()
+
+
+@pytest.mark.parametrize("model", ["vit_b_16", "timm/vit_tiny_patch16_224"])
+def test_a_model_that_cannot_take_the_image_size_is_refused_in_one_line_before_any_folder_is_made(
+    model, tiny_data, tmp_path, run_main
+):
+    # torchvision's and timm's ViTs take their own size alone (224 px): at the demo's 48 px their forward pass fails
+    out = tmp_path / "run"
+    flags = ("--data-path", tiny_data, "--output-dir", out, "--model", model, "--img-size", "48", "--epochs", "1")
+    result = run_main("train_single_gpu.py", *flags)
+    assert_user_error(result, f"--model {model} does not take --img-size 48 images")
+    assert "224" in result.stderr and not out.exists()  # the size it takes named; the corrected command free to run

@@ -177,3 +177,25 @@ def test_weights_for_another_number_of_classes_are_refused_naming_both_counts(tr
 def test_weights_without_class_names_ask_for_class_indices(trained_run, validation_images, tmp_path):
     (tmp_path / "best.pth").symlink_to(trained_run[0] / "weights" / "best.pth")  # a plain state dict, alone
     assert "pass --class-indices" in user_error(validation_images[0][0], "--weights", tmp_path / "best.pth")
+
+
+def test_weights_whose_run_lost_its_args_json_take_the_flags_its_checkpoint_records_and_say_so(
+    trained_run, best_predictions, validation_images, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    (run / "weights").mkdir(parents=True)
+    for name in ("weights/best.pth", "class_indices.json", "checkpoint.pth"):  # args.json gone
+        shutil.copy(trained_run[0] / name, run / name)
+    images = validation_images[0][:4]
+    predict.main([*images, "--weights", str(run / "weights" / "best.pth")])
+    printed = capsys.readouterr()
+    assert parse_predictions(printed.out) == {image: best_predictions[image] for image in images}  # at its 32 px
+    assert printed.err.splitlines() == [
+        f"warning: no args.json beside {run / 'weights' / 'best.pth'} or in its run folder: the run's flags are "
+        f"read from {run / 'checkpoint.pth'}"
+    ]
+    # Nothing records them: the defaults, named (here 224 px for a 32 px run; its --model given)
+    (run / "checkpoint.pth").unlink()
+    predict.main([*images, "--weights", str(run / "weights" / "best.pth"), "--model", "resnet18"])
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert "no record of the flags of the run" in warning and "(--img-size 224, --model resnet34" in warning

@@ -93,6 +93,9 @@ def test_torchrun_with_two_processes_completes_two_epochs(torchrun_run):
     assert_run_outputs(out, epochs=2, world_size=2, model=DDP_MODEL)
     assert "2 process(es) on cpu, backend gloo" in result.stdout
     assert result.stdout.count("Learning rate") == 1  # rank 0 alone prints
+    # DDP: the first process of the machine decoded the images for both; the model not compiled, and why
+    assert "decoded once into memory on this machine for its 2 processes, each holding a copy" in result.stdout
+    assert result.stdout.count("Compile: off (auto never compiles: measured,") == 1
 
 
 def test_spawn_with_two_processes_completes_two_epochs(spawn_run):

@@ -11,10 +11,9 @@ from torch.utils.data import DataLoader
 
 from model import data_parallel_over_gpus, initial_model
 from multi_train_utils.distributed_utils import Process, shuffled_batches, val_shard
-from multi_train_utils.stop_and_resume import ignore_stop_signals
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training
-from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets
+from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets, loader_options
 from recipe.config import Config
 from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
@@ -35,9 +34,7 @@ def loaders(
     train_set, val_set, decoded = datasets(plan.split, config, process)
     # end of train_multi_gpu_using_launch.py
     # statement for statement: train_multi_gpu_using_launch.py
-    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
-    loading["pin_memory"] = device.type == "cuda"
-    loading["worker_init_fn"] = ignore_stop_signals
+    loading = loader_options(workers, config, device)
     batches = shuffled_batches(train_set, config.batch_size, config.seed, process.rank, process.world_size)
     val_sampler = val_shard(val_set, process.rank, process.world_size)
     if compute.on_device:

@@ -98,9 +98,8 @@ from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
 from machine import describe_cpu, use_cores  # noqa: E402
 from model import create_model, data_parallel_over_gpus, initial_model  # noqa: E402
 from multi_train_utils.distributed_utils import Process, resolve_device, shuffled_batches  # noqa: E402
-from multi_train_utils.stop_and_resume import ignore_stop_signals  # noqa: E402
 from multi_train_utils.train_eval_utils import Training, train_one_epoch  # noqa: E402
-from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets  # noqa: E402
+from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets, loader_options  # noqa: E402
 from plot_results import plot_benchmark  # noqa: E402
 from recipe.config import DEMO_DEFAULTS, SINGLE, Config, parse_config  # noqa: E402
 from recipe.loss import build_objective  # noqa: E402
@@ -128,12 +127,8 @@ FIXED = {"float32-nchw": ("off", False), "float32-channels_last": ("off", True),
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--img-size", type=number(int, 1), default=Config.default("img_size"), help="training crop size")
-    p.add_argument(
-        "--batch-size",
-        type=number(int, 1),
-        default=Config.default("batch_size"),
-        help="images per step in each process",
-    )
+    batch = Config.default("batch_size")
+    p.add_argument("--batch-size", type=number(int, 1), default=batch, help="images per step in each process")
     p.add_argument(
         "--data-path",
         type=Path,
@@ -293,9 +288,7 @@ def training_loader(split, config, workers: int, device: torch.device, compute: 
     train_set, val_set, decoded = datasets(plan.split, config, process)
     # end of train_single_gpu.py
     # statement for statement: train_single_gpu.py
-    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
-    loading["pin_memory"] = device.type == "cuda"
-    loading["worker_init_fn"] = ignore_stop_signals
+    loading = loader_options(workers, config, device)
     batches = shuffled_batches(train_set, config.batch_size, config.seed)
     val_sampler = range(len(val_set))
     if compute.on_device:
