@@ -235,7 +235,8 @@ def evaluate_weights(args, process) -> None:
 
     # DDP: this process scores images rank, rank + world size, ...: every image once, none padded
     shard = val_shard(images, process.rank, process.world_size)
-    loader = image_loader(trained, args, images, labels, shard, process.local_world_size)
+    given = {"img_size": args.img_size, "batch_size": args.batch_size, "workers": args.workers}  # None: the run's
+    loader = image_loader(trained, images, labels, shard, process.local_world_size, **given)
     tally = Tally(len(classes), process.device, TOPK if len(classes) > TOPK else None)  # with 5 classes, top-5 is 1
     shown = min(args.topk, len(classes))
     # DDP: rank 0 gathers every batch, in the order of the images, and alone writes them

@@ -25,7 +25,6 @@ import io
 import json
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -201,8 +200,8 @@ def check_batch(trained, args, img_size: int) -> tuple[torch.Tensor, str]:
     if not images:
         batch = torch.randn(CHECK_IMAGES, 3, img_size, img_size, generator=torch.Generator().manual_seed(0))
         return batch, f"a seeded random batch ({why}; --data-path names images to check on)"
-    settings = SimpleNamespace(img_size=img_size, batch_size=len(images), workers=0)
-    batch, _ = next(iter(image_loader(trained, settings, images, [0] * len(images))))
+    loader = image_loader(trained, images, [0] * len(images), img_size=img_size, batch_size=len(images), workers=0)
+    batch, _ = next(iter(loader))
     return normalise(batch), f"{len(images)} images of {data_path}"  # the loader's 8-bit pixels, as the file takes them
 
 

@@ -101,7 +101,8 @@ def predict(args, images: list[Path], process) -> None:
     topk, labels = min(args.topk, len(trained.classes)), [UNKNOWN] * len(images)
     # DDP: this process scores images rank, rank + world size, ...: every image once, none padded
     shard = val_shard(images, process.rank, process.world_size)
-    loader = image_loader(trained, args, images, labels, shard, process.local_world_size)
+    given = {"img_size": args.img_size, "batch_size": args.batch_size, "workers": args.workers}  # None: the run's
+    loader = image_loader(trained, images, labels, shard, process.local_world_size, **given)
     start, unreadable = time.perf_counter(), 0
     progress = "predict" if args.results else None  # without --results, the lines show the progress
     # DDP: rank 0 gathers every batch, in the order of the images, and alone prints and writes them

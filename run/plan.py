@@ -190,7 +190,7 @@ def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_s
             raise UserError(f"{resume} was trained on classes {state['classes']}, the data has {split.classes}")
         saved = run_record(resume, state)
         check_same_recipe(resume, saved, config)
-        check_same_split(resume, saved.get("split"), split_fingerprint(split, data_path))
+        check_same_split(resume, saved.get("split"), split_fingerprint(split, data_path), split.unreadable)
         return resume, output_dir or resume.parent, saved | {"tracked_run": state.get("tracked_run")}
     return None, output_dir or Path("runs") / f"{config.script}-{time.strftime('%Y%m%d-%H%M%S')}", None
 
@@ -293,10 +293,12 @@ def check_same_recipe(checkpoint: Path, saved: dict, config: Config) -> None:
     )
 
 
-def check_same_split(checkpoint: Path, saved: dict | None, now: dict) -> None:
+def check_same_split(checkpoint: Path, saved: dict | None, now: dict, unreadable: list[str] = ()) -> None:
     """UserError saying which images differ from those of the checkpoint's run (`saved`, split_fingerprint's
     record): a resumed run must train and validate on the same images, or validation images could become
-    training ones half way. A checkpoint of a run that recorded none (older runs) is accepted."""
+    training ones half way. Where images of the data folder cannot be read now (`unreadable`, left out of the
+    split), they are named as the cause: the files are there, damaged. A checkpoint of a run that recorded none
+    (older runs) is accepted."""
     if saved is None:
         return
     changed = []
@@ -308,6 +310,12 @@ def check_same_split(checkpoint: Path, saved: dict | None, now: dict) -> None:
             f"{now_count} {name} images where the run had {then_count}"
             if now_count != then_count
             else f"{now_count} {name} images, not all the run's"
+        )
+    if changed and unreadable:
+        raise UserError(
+            f"{checkpoint} was trained on other images than the data folder's readable ones now, and "
+            f"{len(unreadable)} of its files cannot be read ({describe(unreadable)}): if the run read them, they "
+            "were damaged since; put back readable copies and resume"
         )
     if changed:
         best = checkpoint.parent / "weights" / "best.pth"

@@ -222,14 +222,16 @@ def add_run_overrides(parser: argparse.ArgumentParser) -> None:
 
 
 def image_loader(
-    trained: TrainedModel, args, images: list, labels: list, shard=None, processes_here: int = 1
-) -> DataLoader:
+    trained: TrainedModel, images: list, labels: list, shard=None, processes_here: int = 1, *,
+    img_size: int | None = None, batch_size: int | None = None, workers: int | None = None,
+) -> DataLoader:  # fmt: skip
     """Batches of (images as the run validated them: resized and centre-cropped, labels), in the given order;
     with `shard` (val_shard's positions), those of its images alone, for one of `processes_here` processes
-    sharing this machine's cores."""
-    img_size = trained.setting("img_size", args.img_size)
-    batch_size = trained.setting("batch_size", args.batch_size)
-    workers = use_cores(trained.device, processes_here, batch_size, args.workers)  # as a training process has
+    sharing this machine's cores. `img_size`, `batch_size`, `workers`: the tool's flags (None: the run's, and as
+    many workers as a training process has)."""
+    img_size = trained.setting("img_size", img_size)
+    batch_size = trained.setting("batch_size", batch_size)
+    workers = use_cores(trained.device, processes_here, batch_size, workers)  # as a training process has
     return DataLoader(
         MyDataSet(images, labels, val_transform(img_size)),
         batch_size=batch_size,

@@ -234,7 +234,7 @@ def test_offline_imagenet_fails_with_the_url_and_where_to_put_the_file(torch_cac
 
 
 def test_a_stalled_download_gives_up_after_the_timeout_and_leaves_no_partial_file(torch_cache, web_server, monkeypatch):
-    monkeypatch.setattr("model.DOWNLOAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("network.weights.DOWNLOAD_TIMEOUT_S", 0.5)
     web_server.body, web_server.length = b"x" * 1000, 10**6  # 1000 bytes of a million, then silence
 
     started = time.monotonic()

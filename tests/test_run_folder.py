@@ -124,6 +124,13 @@ def test_a_resume_on_data_that_lost_or_gained_images_is_refused_and_one_on_moved
     assert_user_error(run_main(*resume, "--data-path", data), "was trained on another split of the data: ")
     Path(gained).unlink()
 
+    damaged = data / "roses" / "roses_0003.jpg"  # a file still there, broken since the run stopped
+    original = damaged.read_bytes()
+    damaged.write_bytes(original[:40])
+    refused = run_main(*resume, "--data-path", data)
+    assert_user_error(refused, f"1 of its files cannot be read ({damaged}): if the run read them, they were damaged")
+    damaged.write_bytes(original)
+
     moved = data.rename(tmp_path / "moved")  # the same files, relative to the data folder
     resumed = run_script(*resume, "--data-path", moved)
     assert resumed.returncode == 0, resumed.stderr

@@ -81,7 +81,6 @@ import sys
 import time
 from pathlib import Path
 from queue import Empty
-from types import SimpleNamespace
 
 import torch
 from torch.utils.data import DataLoader
@@ -107,6 +106,7 @@ from recipe.optimizer import build_optimizer, model_ema  # noqa: E402
 from recipe.precision import AMP_DTYPES, PRECISION_NAMES, Compute, amp_flag, choose_compute, short_name  # noqa: E402
 from run.autotune import CACHE_ENV, amp_candidates, cache_file, read_entries, synchronize, training_step  # noqa: E402
 from run.metrics import peak_memory  # noqa: E402
+from run.plan import Plan  # noqa: E402
 from tools.profile_steps import printed, traced  # noqa: E402
 from tools.startup_benchmark import image_counts, startup_benchmark  # noqa: E402
 from utils import Parser, UserError, entry_point, number, write_json  # noqa: E402
@@ -255,7 +255,7 @@ def loop_steps(model, optimizer, scaler, compute, device, batch, steps: int) -> 
     train_one_epoch(Training(model, optimizer, compute=compute, scaler=scaler), [batch] * steps, device, 0)
 
 
-def _loader(queue, split, img_size, batch_size, workers, images, start_method, device):
+def _loader(queue, plan, img_size, batch_size, workers, images, start_method, device):
     """In a fresh process: images per second of the training loader as train_single_gpu.py builds it (at its
     default settings, on `device`), iterated without a model. Its workers start as they do in the script: by
     `start_method`, the platform's default (this process was started by the forkserver, and would otherwise start
@@ -266,7 +266,7 @@ def _loader(queue, split, img_size, batch_size, workers, images, start_method, d
     over as many epochs as that takes."""
     multiprocessing.set_start_method(start_method, force=True)
     config = parse_config(SINGLE, "", ["--img-size", str(img_size), "--batch-size", str(batch_size)])
-    train_loader, _, decoded = training_loader(split, config, workers, device, Compute())  # the loader's batches
+    train_loader, _, decoded = training_loader(plan, config, workers, device, Compute())  # the loader's batches
     batches = batches_over_epochs(train_loader)
     for _ in range(max(2, workers)):
         next(batches)
@@ -279,11 +279,11 @@ def _loader(queue, split, img_size, batch_size, workers, images, start_method, d
     )
 
 
-def training_loader(split, config, workers: int, device: torch.device, compute: Compute) -> tuple:
+def training_loader(plan: Plan, config, workers: int, device: torch.device, compute: Compute) -> tuple:
     """The training and validation loaders as train_single_gpu.py builds them, for `config` (a Config) and
     `workers` loader workers on `device` computing as `compute` says (batches made on the device where
     compute.on_device), and the line saying whether the images were decoded once into memory."""
-    plan, process = SimpleNamespace(split=split), Process(device=device)
+    process = Process(device=device)
     # statement for statement: train_single_gpu.py
     train_set, val_set, decoded = datasets(plan.split, config, process)
     # end of train_single_gpu.py
@@ -301,7 +301,7 @@ def training_loader(split, config, workers: int, device: torch.device, compute: 
     return train_loader, val_loader, decoded
 
 
-def _profile(queue, split, img_size, batch_size, compute, workers, steps, start_method, device, folder):
+def _profile(queue, plan, img_size, batch_size, compute, workers, steps, start_method, device, folder):
     """In a fresh process: the training loop as train_single_gpu.py builds it (its data, loader, model and recipe
     at their default settings, in the precision, layout and loader workers auto chose, given here), its first
     epoch untraced, then `steps` steps traced by torch.profiler (tools/profile_steps.py): the trace in `folder`,
@@ -310,9 +310,8 @@ def _profile(queue, split, img_size, batch_size, compute, workers, steps, start_
     sys.stdout = open(os.devnull, "w")  # the progress bars
     device = resolve_device(device)
     config = parse_config(SINGLE, "", ["--img-size", str(img_size), "--batch-size", str(batch_size)])
-    plan = SimpleNamespace(split=split, weights=None)
     use_cores(device, 1, batch_size, workers)  # the compute threads tune() leaves beside the workers
-    train_loader, _, decoded = training_loader(split, config, workers, device, compute)
+    train_loader, _, decoded = training_loader(plan, config, workers, device, compute)
     # statement for statement: train_single_gpu.py
     model = initial_model(
         config.model, len(plan.split.classes), device, compute.memory_format,
@@ -535,13 +534,13 @@ def run_script(args, name: str, script: list, flags: list, demo: bool = False) -
     }
 
 
-def training_split(data_path: Path, batch_size: int):
-    """The training scripts' split of the data at their default --val-rate and --seed, unreadable images left
-    out; UserError if it holds less than one batch of training images."""
+def training_plan(data_path: Path, batch_size: int, output_dir: Path) -> Plan:
+    """The rows' plan: the training scripts' split of the data at their default --val-rate and --seed, unreadable
+    images left out, no weights to start from; UserError if it holds less than one batch of training images."""
     split = read_split_data(data_path, verify_images=True)
     if len(split.train_images) < batch_size:
         raise UserError(f"{data_path}: {len(split.train_images)} training images, fewer than a batch of {batch_size}")
-    return split
+    return Plan(data_path, split, output_dir)
 
 
 def describe_machine(device: str) -> str:
@@ -613,7 +612,7 @@ def in_memory_rows(args, compute: Compute, peaks: dict, flops: float):
             yield row(name, kind, 1, described(case), measured, peaks[peak_name(case.amp_dtype)], flops)
 
 
-def loader_rows(args, split, workers: int):
+def loader_rows(args, plan: Plan, workers: int):
     """The training loader alone, each row yielded as soon as it is measured (if --rows has them): with one worker
     (what one worker supplies) and with the workers auto chose for the training scripts, at least one (where they
     use none, they load between steps)."""
@@ -626,18 +625,18 @@ def loader_rows(args, split, workers: int):
         theirs = f"loader, {worker_phrase(workers)} (as the training scripts)"
     start_method = multiprocessing.get_start_method()  # what a script's loader gets: the platform's default
     for count, name in ((1, "loader, 1 worker"), (max(1, workers), theirs)):
-        measure = (split, args.img_size, args.batch_size, count, args.loader_images, start_method, device)
+        measure = (plan, args.img_size, args.batch_size, count, args.loader_images, start_method, device)
         measured = in_fresh_process(name, _loader, *measure)
         measured["img_per_sec_per_worker"] = measured["img_per_sec"] / count
         yield row(name, "loader", 1, "–", measured)
 
 
-def profile_rows(args, split, compute: Compute, workers: int):
+def profile_rows(args, plan: Plan, compute: Compute, workers: int):
     """The profile of the real loop (if --rows has it), in what auto chose; its summary printed."""
     if "profile" not in args.rows:
         return
     device = torch.device(args.device)
-    measure = (split, args.img_size, args.batch_size, compute, workers, args.profile_steps,
+    measure = (plan, args.img_size, args.batch_size, compute, workers, args.profile_steps,
                multiprocessing.get_start_method(), args.device, args.output_dir.resolve())  # fmt: skip
     measured = in_fresh_process("profile", _profile, *measure)
     print(printed(measured, device), flush=True)
@@ -844,7 +843,7 @@ def main(argv=None):
     print(f"Benchmark: {args.img_size} px, batch {args.batch_size}, data {args.data_path}, output {args.output_dir}")
     machine = describe_machine(args.device)
     print(f"Machine: {machine}")
-    split = training_split(args.data_path, args.batch_size)
+    plan = training_plan(args.data_path, args.batch_size, args.output_dir)
     auto, compute, workers = auto_run(args)  # first: the rows below compute as it chose
     print(f"auto chose {described(compute)}, {worker_phrase(workers)}; measuring took {auto['measure_seconds']} s")
     fixed = [Compute(AMP_DTYPES[FIXED[name][0]]) for name in args.fixed]
@@ -869,9 +868,9 @@ def main(argv=None):
     record(benchmark, auto_row, results)
     measured_rows = itertools.chain(
         in_memory_rows(args, compute, peaks, flops),
-        loader_rows(args, split, workers),
+        loader_rows(args, plan, workers),
         peer_rows(args, compute, peaks, flops),
-        profile_rows(args, split, compute, workers),
+        profile_rows(args, plan, compute, workers),
         script_rows(args, compute, workers, nprocs, peaks, flops),
         predict_rows(args, nprocs, peaks, benchmark["rows"]),
     )

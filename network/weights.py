@@ -1,0 +1,230 @@
+"""Weights files: the one `--weights` names (a model's pretrained weights from torchvision's or Hugging Face's cache,
+downloaded there once, or a path), read safely and loaded into a model, with a report of what loaded."""
+
+import http.client
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.error import HTTPError, URLError
+from urllib.parse import urlparse
+
+import torch
+from filelock import FileLock
+from torch import nn
+from torchvision.models import get_model_weights
+
+from network.architectures import (
+    DEFAULT_MODEL,
+    IMAGENET,
+    TIMM,
+    WRAPPER_PREFIXES,
+    check_model_name,
+    head_names,
+    is_timm,
+)
+from utils import UserError, safe_load
+
+# torch.hub sets no timeout of its own, so a network that drops packets would hang the download for minutes (a
+# stalled read, for ever). This bounds each connection attempt and each read; pip's default is the same.
+DOWNLOAD_TIMEOUT_S = 15
+
+
+def weights_file(spec: str | os.PathLike, name: str = DEFAULT_MODEL) -> Path:
+    """The file that `--weights spec` names for model `name`, for load_weights.
+
+    The word "imagenet" (IMAGENET, as a str) names the model's pretrained weights: torchvision's ImageNet weights
+    (imagenet_weights_file, which downloads them if they are not cached yet), or for a timm model timm's
+    (timm_weights_file). Anything else is a path, returned as it is (load_weights says so when it does not
+    exist); a file that is really called "imagenet" is `./imagenet`.
+    """
+    if isinstance(spec, str) and spec == IMAGENET:
+        return timm_weights_file(name) if is_timm(name) else imagenet_weights_file(imagenet_weights_url(name))
+    return Path(spec)
+
+
+def imagenet_weights_url(name: str = DEFAULT_MODEL) -> str:
+    """Where torchvision keeps its ImageNet weights for model `name` (its DEFAULT, the best of them)."""
+    return get_model_weights(check_model_name(name)).DEFAULT.url
+
+
+def imagenet_weights_file(url: str) -> Path:
+    """torchvision's ImageNet weights file in torchvision's cache, downloaded from `url` first if not there yet.
+
+    The cache is the one torchvision's own `weights.get_state_dict()` uses: torch.hub.get_dir()/checkpoints
+    (~/.cache/torch/hub/checkpoints unless TORCH_HOME or XDG_CACHE_HOME say otherwise), the file named as in the
+    URL. The download is torch.hub's, with torchvision's check that the file's sha256 starts with the hash in its
+    name; it writes to a temporary file beside the real one and renames it when complete (deleting it on
+    failure), so a failed or interrupted download never leaves a file under the real name.
+
+    Call it before training starts (the scripts do, in run/plan.py's prepare), so that a missing network is one
+    error line at start-up. Processes that ask at the same time (every torchrun rank runs prepare) take turns
+    on a lock file beside the cache file: one downloads, the others then find the file.
+
+    Raises UserError when the download fails (no network, a timeout, a file that is not the expected one),
+    saying where to fetch the file from and where to put it.
+    """
+    path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(url).path)
+    if path.is_file():
+        return path
+    hash_match = torch.hub.HASH_REGEX.search(path.name)
+    fetch_by_hand = f"fetch {url} and put it at {path}"
+    previous_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # taken by the sockets urllib opens inside torch.hub
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(path.parent / f".{path.name}.lock"):  # filelock: flock on Linux and macOS, msvcrt on Windows
+            if not path.is_file():  # else another process downloaded it while we waited
+                print(f"Downloading {url} to {path}", flush=True)
+                torch.hub.download_url_to_file(url, str(path), hash_match.group(1) if hash_match else None)
+    except (OSError, http.client.HTTPException) as error:  # URLError, refused, reset, timed out: all OSErrors
+        reason = error.reason if isinstance(error, URLError) and not isinstance(error, HTTPError) else error
+        raise UserError(f"cannot download ImageNet weights (no network? {reason}): {fetch_by_hand}") from None
+    except RuntimeError as error:  # torch.hub's hash check: a proxy's error page, a truncated file, ...
+        if "invalid hash value" not in str(error):
+            raise
+        raise UserError(f"the file downloaded from {url} is not the expected one ({error}): {fetch_by_hand}") from None
+    finally:
+        socket.setdefaulttimeout(previous_timeout)
+    return path
+
+
+def timm_weights_file(name: str) -> Path:
+    """timm's pretrained weights for timm/NAME (those of NAME's tag, else timm's default for the architecture) in
+    Hugging Face's cache, where timm itself keeps them: downloaded there first if they are not there yet.
+
+    Looked up in the cache alone first, so that a cached file needs no network; then, after one request that
+    finds whether the file can be had, downloaded by huggingface_hub, which bounds each connection and read (10 s:
+    HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT), writes to an incomplete file it renames when whole, and lets
+    concurrent processes (torchrun's ranks) take turns on a lock. HF_HUB_OFFLINE=1 forbids the download. Raises
+    UserError when the model has no pretrained weights or the download fails, saying where to fetch the file from
+    and to pass it as --weights FILE.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HTTPError
+    from timm.models import get_pretrained_cfg
+
+    config = get_pretrained_cfg(name.removeprefix(TIMM))
+    if config is None or not config.hf_hub_id:
+        raise UserError(f"timm has no pretrained weights for --model {name}: give --weights FILE, or none")
+    repo, _, revision = config.hf_hub_id.partition("@")
+    where = {"repo_id": repo, "filename": config.hf_hub_filename or "model.safetensors", "revision": revision or None}
+    cached = try_to_load_from_cache(**where)  # the cache alone (hf_hub_download would ask the Hub something first)
+    if isinstance(cached, str):
+        return Path(cached)
+    url = hf_hub_url(**where)
+    try:
+        get_hf_file_metadata(url)  # one request, not retried: without a network it fails at once, not in 20 s
+        print(f"Downloading {url} to Hugging Face's cache", flush=True)
+        return Path(hf_hub_download(**where))
+    except (OSError, HTTPError) as error:  # no network, HF_HUB_OFFLINE, a timeout, a missing file
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UserError(
+            f"cannot download timm's pretrained weights for {name} (no network? {reason}): fetch {url} and give "
+            "it as --weights FILE"
+        ) from None
+
+
+@dataclass
+class LoadReport:
+    loaded: list[str] = field(default_factory=list)
+    skipped_shape: list[str] = field(default_factory=list)  # e.g. the 1000-class ImageNet head
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        parts = [f"loaded {len(self.loaded)} tensors"]
+        for label, names in (
+            ("skipped for a different shape", self.skipped_shape),
+            ("missing from the file (left as initialised)", self.missing),
+            ("in the file but not in the model (ignored)", self.unexpected),
+        ):
+            if names:
+                shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+                parts.append(f"{len(names)} {label}: {shown}")
+        return "; ".join(parts)
+
+
+def strip_wrapper_prefixes(state_dict: dict) -> dict:
+    def strip(name: str) -> str:
+        while name.startswith(WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        return name
+
+    return {strip(name): tensor for name, tensor in state_dict.items()}
+
+
+def read_state_dict(path) -> dict:
+    """A state dict from a weights file: a plain state dict, a checkpoint holding one under "model" (ours) or
+    "state_dict" (timm's training script's), or a .safetensors file (Hugging Face's, timm's pretrained weights)."""
+    data = read_safetensors(path) if Path(path).suffix == ".safetensors" else safe_load(path, "weights file")
+    for key in ("model", "state_dict"):
+        if isinstance(data, dict) and isinstance(data.get(key), dict):
+            data = data[key]
+            break
+    if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
+        raise UserError(f"weights file {path} does not hold a state dict (a mapping of names to tensors)")
+    return strip_wrapper_prefixes(data)
+
+
+def load_weights(
+    model: nn.Module, source, strict: bool = False, name: str = DEFAULT_MODEL, what: str | None = None
+) -> LoadReport:
+    """Load a weights file (or a state dict read from one: `what` names it) into `model`, torchvision's `name`;
+    returns what was loaded and skipped.
+
+    Lenient (for --weights, starting a run): tensors of another shape, normally a head for another number of
+    classes, are skipped and left as initialised; anything else that does not fit is refused. Strict (for a run's
+    own weights, in inference): every tensor must be there, with the model's shape.
+    """
+    state_dict = source if isinstance(source, dict) else read_state_dict(source)
+    own = model.state_dict()
+    report = LoadReport()
+    for key, tensor in state_dict.items():
+        if key not in own:
+            report.unexpected.append(key)
+        elif own[key].shape != tensor.shape:
+            report.skipped_shape.append(key)
+        else:
+            report.loaded.append(key)
+    report.missing = [key for key in own if key not in state_dict]
+    what = what or (f"weights file {source}" if not isinstance(source, dict) else "the weights")
+    if strict:
+        misfits = report.missing + report.unexpected + report.skipped_shape
+    else:
+        if not report.loaded:
+            raise UserError(f"{what} has no tensor that fits this model (is it for another architecture?)")
+        # Only the classifier head may differ (another class count); files older than torchvision 0.4.1 (such as
+        # resnet34-333f7ec4.pth) lack the num_batches_tracked counters. Anything else means another network.
+        head = head_names(name)
+        misfits = [
+            key
+            for key in report.missing + report.skipped_shape
+            if key not in head and not key.endswith("num_batches_tracked")
+        ]
+    if misfits:
+        raise UserError(
+            f"{what} does not fit {name}: {len(misfits)} tensors missing, extra or of another shape "
+            f"({', '.join(misfits[:3])}{', ...' if len(misfits) > 3 else ''}); is it for another architecture?"
+        )
+    model.load_state_dict({key: state_dict[key] for key in report.loaded}, strict=strict)
+    return report
+
+
+def read_safetensors(path) -> dict:
+    """A .safetensors file's tensors (a format that holds tensors alone: nothing in it can run code)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise UserError(f"weights file {path} {'is a folder' if Path(path).is_dir() else 'does not exist'}")
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError) as error:
+        raise UserError(f"weights file {path} cannot be read as a safetensors file ({error})") from None
+
+
+def head_classes(state_dict: dict, name: str = DEFAULT_MODEL) -> int | None:
+    """The number of classes the weights' classifier head (for model `name`) predicts, or None if they hold none."""
+    head = [state_dict[key] for key in sorted(head_names(name)) if key in state_dict]
+    return head[0].shape[0] if head else None
