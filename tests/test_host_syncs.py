@@ -33,11 +33,11 @@ from recipe.config import Config
 from recipe.precision import AMP_DTYPES, Compute
 
 pytestmark = [
-    pytest.mark.fast,
     # the EMA deep-copies the model, and torch's Tensor.__deepcopy__ looks at a fake tensor's (absent) data pointer
     pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor"),
 ]
 
+FAST = pytest.mark.fast  # no script started, nothing trained but a step on fake tensors
 CLASSES = 3
 EVERY_SWITCH = {
     "model_ema": True, "class_weights": "balanced", "accumulate": 2, "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
@@ -177,17 +177,21 @@ CASES = [
     *((amp, CHANNELS_LAST, "on-device") for amp in PRECISIONS),
 ]
 NAMES = {0: "plain", len(CHANNELS_LAST): "channels-last", len(EVERY_SWITCH): "every-switch"}
-IDS = [f"{amp}-{NAMES[len(switches)]}-{feed}" for amp, switches, feed in CASES]
+# In the fast tier (pytest -m fast) all but the cases with every switch, which take about 10 s each on 2 cores
+CASES = [
+    pytest.param(*case, id=f"{case[0]}-{NAMES[len(case[1])]}-{case[2]}", marks=() if case[1] is EVERY_SWITCH else FAST)
+    for case in CASES
+]
 
 
-@pytest.mark.parametrize("amp, switches, feed", CASES, ids=IDS)
+@pytest.mark.parametrize("amp, switches, feed", CASES)
 def test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, feed, two_ranks):
     short, long = fake_cuda_waits("train", amp, switches, FEEDS[feed])
     assert long == short, f"the host waits for the device in each step: {long - short} more in 2 more steps"
     assert sum(long.values()) == 0, long  # nor once an epoch: the epoch's sums arrive without a blocking copy
 
 
-@pytest.mark.parametrize("amp, switches, feed", CASES, ids=IDS)
+@pytest.mark.parametrize("amp, switches, feed", CASES)
 def test_a_validation_batch_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, feed, two_ranks):
     short, long = fake_cuda_waits("validate", amp, switches, FEEDS[feed])
     assert long == short, f"the host waits for the device in each batch: {long - short} more in 2 more batches"
@@ -202,6 +206,7 @@ class NcclGroup:
         return "nccl"
 
 
+@pytest.mark.fast
 def test_torchs_own_sync_batchnorm_would_make_the_host_wait_in_every_layer(monkeypatch):
     """Why convert_sync_batchnorm puts SyncBatchNorm2d on a GPU too (multi_train_utils/sync_batchnorm.py)."""
     gather = lambda output, input, *args, **kwargs: output.copy_(torch.cat([input, input]).view_as(output))  # noqa: E731
