@@ -54,15 +54,12 @@ def run_folder(weights: Path) -> Path:
 
 
 def recorded_model(weights: Path) -> tuple[str, str] | None:
-    """The --model of the run that saved `weights`, and where it is recorded: its args.json (beside the weights or
-    one folder up), else the checkpoint's own record; None where neither says (or the record is damaged)."""
+    """The --model of the run that saved `weights`, and where it is recorded (where run_record finds the run's
+    flags); None where nothing says (or the record is damaged)."""
     args_file = run_file(weights, "args.json")
     try:
-        if args_file is not None:
-            record, where = read_json(args_file, "run flags file"), f"run flags file {args_file}"
-        else:
-            data = safe_load(weights, "weights file")
-            record, where = (data.get("args") if isinstance(data, dict) else None), f"checkpoint {weights}"
+        data = safe_load(weights, "weights file") if args_file is None else {}
+        record, where, _ = run_record(weights, args_file, data if isinstance(data, dict) else {})
     except UserError:  # a damaged record says nothing here: the refusal that asked stands as it is
         return None
     model = record.get("model") if isinstance(record, dict) else None
