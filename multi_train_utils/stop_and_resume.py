@@ -140,7 +140,7 @@ def save_step(log, model, training, stop: StopRequested) -> None:
     """The checkpoint of a run stopped at step `stop.step` of epoch `stop.epoch`: the training state then, and
     where in the epoch it is (its "midway"), once the last epoch's files are written (the background's)."""
     log.wait_for_writes()
-    state = log.training_state(stop.epoch - 1, model, training)
+    state = log.training_state(stop.epoch - 1, model, training) | log.tracking.checkpoint_entry()
     try:
         save_atomically(state | {"midway": stop.midway()}, log.checkpoint)
     except OutputError as error:

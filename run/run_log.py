@@ -88,9 +88,9 @@ class RunLog:
         self.tracking.start(read_metrics(self.output_dir / METRICS_NAME), start_epoch)
 
     def training_state(self, epoch: int, model, training) -> dict:
-        """The checkpoint of this run after `epoch`: `model` (without its wrappers) and what `training` steps."""
-        state = training_state(epoch, model, training, self.best_acc, self.classes, self.world_size, self.record)
-        return state | self.tracking.checkpoint_entry()
+        """The checkpoint of this run after `epoch`: `model` (without its wrappers) and what `training` steps; the
+        tracked run's entry is added where it is written (self.tracking.checkpoint_entry())."""
+        return training_state(epoch, model, training, self.best_acc, self.classes, self.world_size, self.record)
 
     def epoch(self, metrics: dict, model, training, best, best_acc: float) -> None:
         """Everything an epoch leaves: its printed line now; then, written in the background while the next epoch
@@ -121,6 +121,7 @@ class RunLog:
                 append_metrics(self.output_dir / METRICS_NAME, line)
             except OSError as error:  # TensorBoard's writer too: a full disk, a vanished folder, ...
                 raise OutputError(write_failure(Path(error.filename or self.output_dir), error)) from None
+            state.update(self.tracking.checkpoint_entry())  # once the tracker has named the run (a new one's)
             save_epoch(self.output_dir, epoch, weights, best_weights, state, keep=keep)
 
         self.writing = epoch

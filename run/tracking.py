@@ -69,6 +69,7 @@ class Tracking:
         self.run_id, self.client, self.thread, self.failed = None, None, None, False
         self.epochs: list[dict] = []  # the epochs logged, metrics.jsonl's lines: the training curves' points
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.opened = threading.Event()  # set once the tracker has opened the tracked run, or failed to
         self.warned = threading.Lock()  # taken by the one warning a run gives
 
     def start(self, finished: list[dict], start_epoch: int) -> None:
@@ -80,6 +81,7 @@ class Tracking:
         for name, value in MLFLOW_SETTINGS.items():
             os.environ.setdefault(name, value)
         known = checked_entry(self.tracked_run, "the checkpoint's tracked run") or read_tracked_run(self.output_dir)
+        self.tracked_run = known  # the checkpoints name it from now, whenever the tracker answers
         print(f"Tracking: MLflow at {self.uri}, experiment {experiment_name()}", flush=True)
         self.thread = threading.Thread(target=self.work, name="mlflow-tracking", daemon=True)
         self.thread.start()
@@ -91,7 +93,11 @@ class Tracking:
         self.call(self.log_epochs, [metrics])
 
     def checkpoint_entry(self) -> dict:
-        """What a checkpoint keeps of the tracked run ("tracked_run"), so that a resume continues it."""
+        """What a checkpoint keeps of the tracked run ("tracked_run"), so that a resume continues it. A new tracked
+        run has its id once the tracker has made it: this waits for that, at most STOP_WAIT seconds (called where
+        the checkpoint is written, in the background but for a stop's)."""
+        if self.tracked_run is None and self.thread is not None:
+            self.opened.wait(STOP_WAIT)
         return {"tracked_run": self.tracked_run} if self.tracked_run is not None else {}
 
     @contextlib.contextmanager
@@ -134,6 +140,7 @@ class Tracking:
                 function(*args)
             except Exception as error:  # whatever the tracker or its client raises: the run goes on without it
                 self.failed = True
+                self.opened.set()  # nor will it open the run now: no checkpoint waits for it
                 reason = textwrap.shorten(f"{type(error).__name__}: {error}", 240)
                 self.warn_once(
                     f"MLflow tracking at {self.uri} failed ({reason}): the run goes on untracked; a resume of the "
@@ -163,6 +170,7 @@ class Tracking:
         self.run_id = run.info.run_id
         self.tracked_run = {"tracking_uri": self.uri, "run_id": self.run_id}
         write_json(self.output_dir / TRACKED_RUN_NAME, self.tracked_run)
+        self.opened.set()
         self.client.log_batch(self.run_id, tags=[RunTag(name, value) for name, value in self.tags().items()])
         self.client.log_artifact(self.run_id, str(self.output_dir / "args.json"))
         self.epochs = [line for line in finished if line["epoch"] in logged]

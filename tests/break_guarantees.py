@@ -225,6 +225,9 @@ BREAKS = [
     ("18d an image damaged since the stop called another split", "run/plan.py", "    if changed and unreadable:\n",
      "    if False:\n",
      "tests/test_run_folder.py::test_a_resume_on_data_that_lost_or_gained_images_is_refused_and_one_on_moved_data_continues"),
+    ("18e a checkpoint saved before the tracker answered names no tracked run", "run/tracking.py",
+     "            self.opened.wait(STOP_WAIT)\n", "            pass\n",
+     TK + "test_a_restart_continues_the_tracked_run_logs_the_epochs_it_lacks_and_marks_each_end"),
     # Batches made on the device (dataset/on_device.py, issue 43)
     ("16a a crop box drawn from another seed", "dataset/on_device.py",
      "np.array([seed for _, seed in pairs], dtype=np.uint64)",

@@ -180,14 +180,17 @@ def test_a_restart_continues_the_tracked_run_logs_the_epochs_it_lacks_and_marks_
     config, plan = Config(tracking_uri=uri), SimpleNamespace(output_dir=out, tracked_run=None)
     first = Tracking(config, plan, Config(epochs=3).record(), torch.device("cpu"))
     first.start([], 0)
+    named = first.checkpoint_entry()  # the first checkpoint, written as the tracker is still making the run
     first.epoch(epoch_line(0, 0.5))
     with pytest.raises(SystemExit), first.marks_how_the_run_ends():
         raise SystemExit(143)  # a stop by signal
     (run,) = tracked_runs(uri)
     assert run.info.status == "KILLED" and history(uri, run.info.run_id, "val_acc") == [(0, 0.5)]
+    assert named == {"tracked_run": {"tracking_uri": uri, "run_id": run.info.run_id}}
 
     again = Tracking(config, plan, Config(epochs=3).record(), torch.device("cpu"))
     again.start([epoch_line(0, 0.5), epoch_line(1, 0.25)], 2)
+    assert again.checkpoint_entry() == named  # at once: the run's folder names it
     settled(again)
     (run,) = tracked_runs(uri)
     assert run.info.status == "RUNNING"
