@@ -44,6 +44,14 @@ def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def in_brief(text: str, width: int = 240) -> str:
+    """`text` on one line of at most `width` characters: its start and its end (where a library's message often
+    names the cause: "... [Errno 111] Connection refused")."""
+    text = " ".join(text.split())
+    half = (width - len(" [...] ")) // 2
+    return text if len(text) <= width else f"{text[:half]} [...] {text[-half:]}"
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default where it has one worth showing (not None, not an off switch)."""
 

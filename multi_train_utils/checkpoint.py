@@ -5,12 +5,11 @@ one never runs code. It is written atomically (temporary file in the same folder
 writing leaves the previous checkpoint in place, never half a file.
 """
 
-import textwrap
 from pathlib import Path
 
 import torch
 
-from utils import NUMBER, UserError, misfits, safe_load, write_atomically
+from utils import NUMBER, UserError, in_brief, misfits, safe_load, write_atomically
 
 CHECKPOINT_NAME = "checkpoint.pth"
 CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args"}
@@ -103,7 +102,7 @@ def restore(state: dict, model, training, path=None) -> tuple[int, float]:
         try:
             target.load_state_dict(state[part])
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:  # torch's, by part
-            reason = textwrap.shorten(str(error), 200)
+            reason = in_brief(str(error), 200)
             raise UserError(
                 f"checkpoint {path}: its {part} does not fit this run's ({reason}): {start_anew(path)}"
             ) from None

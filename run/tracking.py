@@ -23,7 +23,6 @@ import os
 import platform
 import queue
 import subprocess
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -33,23 +32,28 @@ import torch
 from machine import describe_cpu, physical_memory
 from recipe.config import Config
 from run.metrics import epoch_accuracy
-from utils import UserError, misfits, read_json, warn, write_json
+from utils import UserError, in_brief, misfits, read_json, warn, write_json
 
 TRACKED_RUN_NAME = "tracked_run.json"  # in a run's folder: {"tracking_uri": ..., "run_id": ...}
 EXPERIMENT = "flowers"  # the experiment a run is tracked in, unless MLFLOW_EXPERIMENT_NAME names another
 # MLflow's settings in this process, unless the environment sets them: a request waits at most 10 s for an
 # answer and is tried 3 times (0 s, then 2 s apart, with up to 1 s of jitter), so a tracker that does not answer
-# is given up within about 35 s; no INFO lines among the run's (a new SQLite file's "Creating initial MLflow
-# database tables"); a local folder is accepted as the tracker (MLflow 3 keeps that store in maintenance mode
+# is given up within about 35 s; none of MLflow's own log lines among the run's (a new SQLite file's "Creating
+# initial MLflow database tables", the retries' warnings, a failed write's traceback: the run's one warning says
+# what failed); a local folder is accepted as the tracker (MLflow 3 keeps that store in maintenance mode
 # and refuses it otherwise); and no usage report sent to MLflow's makers: a run sends only what it was asked to.
 MLFLOW_SETTINGS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_LOGGING_LEVEL": "WARNING",
+    "MLFLOW_LOGGING_LEVEL": "CRITICAL",
     "MLFLOW_ALLOW_FILE_STORE": "true",
     "MLFLOW_DISABLE_TELEMETRY": "true",
 }
+# Tries to open a database tracker (a SQLite file, a database server), MLflow's MAX_RETRY_COUNT, which no
+# environment variable sets: MLflow's 10 wait 102 s in all (for a database server still starting), so a SQLite file
+# that cannot be opened (its folder read-only, a folder in its place) held a run's end for as long; 3 wait 0.4 s.
+DATABASE_TRIES = 3
 # How long the end of a run waits for the tracker to take what is queued: at the end of training, for the
 # weights' upload too; after a stop signal or a failure, briefly (a preempted job has seconds before SIGKILL).
 FINISH_WAIT, STOP_WAIT = 120.0, 10.0
@@ -141,7 +145,7 @@ class Tracking:
             except Exception as error:  # whatever the tracker or its client raises: the run goes on without it
                 self.failed = True
                 self.opened.set()  # nor will it open the run now: no checkpoint waits for it
-                reason = textwrap.shorten(f"{type(error).__name__}: {error}", 240)
+                reason = in_brief(f"{type(error).__name__}: {error}")
                 self.warn_once(
                     f"MLflow tracking at {self.uri} failed ({reason}): the run goes on untracked; a resume of the "
                     "run logs the epochs the tracker missed"
@@ -152,9 +156,11 @@ class Tracking:
             warn(message)
 
     def open(self, known: dict | None, finished: list[dict], start_epoch: int) -> None:
+        import mlflow.store.db.utils
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
+        mlflow.store.db.utils.MAX_RETRY_COUNT = DATABASE_TRIES
         self.client = MlflowClient(self.uri)
         run = self.continued(known["run_id"]) if known else None
         logged = self.logged_epochs(run.info.run_id) if run else set()

@@ -228,6 +228,11 @@ BREAKS = [
     ("18e a checkpoint saved before the tracker answered names no tracked run", "run/tracking.py",
      "            self.opened.wait(STOP_WAIT)\n", "            pass\n",
      TK + "test_a_restart_continues_the_tracked_run_logs_the_epochs_it_lacks_and_marks_each_end"),
+    ("18f the tracker's own log lines let through", "run/tracking.py", '"MLFLOW_LOGGING_LEVEL": "CRITICAL"',
+     '"MLFLOW_LOGGING_LEVEL": "WARNING"', TK + "test_a_tracker_removed_while_the_run_trains_costs_one_warning"),
+    ("18g a database tracker tried as long as MLflow would", "run/tracking.py",
+     "        mlflow.store.db.utils.MAX_RETRY_COUNT = DATABASE_TRIES\n", "",
+     TK + "test_a_tracker_that_cannot_be_opened_costs_one_warning_and_seconds"),
     # Batches made on the device (dataset/on_device.py, issue 43)
     ("16a a crop box drawn from another seed", "dataset/on_device.py",
      "np.array([seed for _, seed in pairs], dtype=np.uint64)",

@@ -6,7 +6,9 @@ import contextlib
 import importlib
 import io
 import json
+import shutil
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -202,11 +204,109 @@ def test_a_restart_continues_the_tracked_run_logs_the_epochs_it_lacks_and_marks_
     assert run.info.status == "FAILED" and again.checkpoint_entry()["tracked_run"]["run_id"] == run.info.run_id
 
 
+# A record of the tracked run (tracked_run.json, or a checkpoint's "tracked_run") damaged, and what its warning says
+DAMAGED_RECORDS = {
+    "run id not a string": (b'{"run_id": 3}', "is damaged (run_id is an integer, not a string)"),
+    "no run id": (b'{"tracking_uri": "mlruns"}', "is damaged (run_id is missing)"),
+    "cut short": (b'{"run_id": "3f2a', "is not valid JSON"),
+    "a list": (b'["3f2a"]', "holds a list, not an object"),
+    "empty": (b"", "is not valid JSON"),
+    "not text": (b"\xff\xfe\x00\x81", "is not a text file"),
+}
+
+
+def tracking_in(out, uri) -> Tracking:
+    """A run's Tracking in the folder `out` (holding its args.json), tracked at `uri`, resuming no checkpoint."""
+    config, plan = Config(tracking_uri=str(uri)), SimpleNamespace(output_dir=out, tracked_run=None)
+    return Tracking(config, plan, Config(epochs=3).record(), torch.device("cpu"))
+
+
 @pytest.mark.fast
-def test_a_damaged_tracked_run_file_is_a_warning_and_a_new_tracked_run(tmp_path, capsys):
-    (tmp_path / TRACKED_RUN_NAME).write_text('{"run_id": 3}')
+@pytest.mark.parametrize("damage", DAMAGED_RECORDS)
+def test_a_damaged_record_of_the_tracked_run_is_one_warning_naming_it(damage, tmp_path, capsys):
+    content, said = DAMAGED_RECORDS[damage]
+    (tmp_path / TRACKED_RUN_NAME).write_bytes(content)
     assert read_tracked_run(tmp_path) is None
-    assert capsys.readouterr().err.startswith(f"warning: tracked run file {tmp_path / TRACKED_RUN_NAME} is damaged")
-    (tmp_path / TRACKED_RUN_NAME).write_text('{"run_id": "3f2a"')
-    assert read_tracked_run(tmp_path) is None and "is not valid JSON" in capsys.readouterr().err
-    assert read_tracked_run(tmp_path / "absent") is None
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: tracked run file {tmp_path / TRACKED_RUN_NAME}") and said in line, line
+    assert line.endswith(": tracking as a new run")
+    assert read_tracked_run(tmp_path / "absent") is None and not capsys.readouterr().err
+
+
+@pytest.mark.fast
+def test_a_run_whose_record_is_damaged_is_tracked_anew_with_every_epoch_it_finished(tmp_path, capsys):
+    # The record damaged in the folder and in the checkpoint resumed: one warning for each, then a new tracked run
+    # holding the epochs of metrics.jsonl that the lost one had, its id written over the damaged file.
+    uri, out = tmp_path / "mlruns", tmp_path / "run"
+    out.mkdir()
+    (out / "args.json").write_text("{}")
+    (out / TRACKED_RUN_NAME).write_text('{"run_id": "3f2a"')
+    tracking = tracking_in(out, uri)
+    tracking.tracked_run = ["3f2a"]  # the checkpoint's entry, damaged
+    tracking.start([epoch_line(0, 0.5), epoch_line(1, 0.25)], 2)
+    settled(tracking)
+    tracking.end("FINISHED")
+    warnings = capsys.readouterr().err.splitlines()
+    assert [line.split(" is ")[0] for line in warnings] == [
+        "warning: the checkpoint's tracked run",
+        f"warning: tracked run file {out / TRACKED_RUN_NAME}",
+    ], warnings
+    (run,) = tracked_runs(str(uri))
+    assert run.info.status == "FINISHED" and history(str(uri), run.info.run_id, "val_acc") == [(0, 0.5), (1, 0.25)]
+    assert read_tracked_run(out)["run_id"] == run.info.run_id == tracking.checkpoint_entry()["tracked_run"]["run_id"]
+
+
+def a_folder_in_its_place(tmp_path):
+    (tmp_path / "mlflow.db").mkdir()
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def under_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    return tmp_path / "file" / "mlruns"
+
+
+# Trackers that cannot be opened (MLflow's own retries, else tried at once): each costs one warning and seconds
+TRACKERS_THAT_FAIL = {
+    "a SQLite file with a folder in its place": (a_folder_in_its_place, "unable to open database file"),
+    "a folder under a file": (under_a_file, "Not a directory"),
+    "a server that is not there": (lambda tmp_path: f"http://127.0.0.1:{find_free_port()}", "Connection refused"),
+}
+
+
+@pytest.mark.parametrize("tracker", TRACKERS_THAT_FAIL)
+def test_a_tracker_that_cannot_be_opened_costs_one_warning_and_seconds(tracker, tmp_path, capsys):
+    make, reason = TRACKERS_THAT_FAIL[tracker]
+    uri, out = make(tmp_path), tmp_path / "run"
+    out.mkdir()
+    (out / "args.json").write_text("{}")
+    tracking = tracking_in(out, uri)
+    started = time.monotonic()
+    tracking.start([], 0)
+    tracking.epoch(epoch_line(0, 0.5))
+    tracking.end("FINISHED")
+    seconds = time.monotonic() - started  # MLflow's own retries of a database: 102 s
+    (line,) = capsys.readouterr().err.splitlines()  # none of MLflow's log lines
+    assert line.startswith(f"warning: MLflow tracking at {uri} failed (") and reason in line, line
+    assert seconds < 30 and tracking.checkpoint_entry() == {} and not (out / TRACKED_RUN_NAME).exists()
+
+
+@pytest.mark.parametrize("store", ["sqlite", "folder"])
+def test_a_tracker_removed_while_the_run_trains_costs_one_warning(store, tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}" if store == "sqlite" else str(tmp_path / "mlruns")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "args.json").write_text("{}")
+    tracking = tracking_in(out, uri)
+    tracking.start([], 0)
+    tracking.epoch(epoch_line(0, 0.5))
+    settled(tracking)
+    (run,) = tracked_runs(uri)
+    removed = tmp_path / ("mlflow.db" if store == "sqlite" else "mlruns")
+    removed.unlink() if store == "sqlite" else shutil.rmtree(removed)
+    tracking.epoch(epoch_line(1, 0.25))
+    tracking.epoch(epoch_line(2, 0.75))
+    tracking.end("FINISHED")
+    (line,) = capsys.readouterr().err.splitlines()  # not MLflow's traceback
+    assert line.startswith(f"warning: MLflow tracking at {uri} failed (") and "Traceback" not in line, line
+    assert read_tracked_run(out)["run_id"] == run.info.run_id  # a resume on the tracker restored logs what it lacks
