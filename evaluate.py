@@ -29,7 +29,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from dataset.folders import read_split_data
 from dataset.image_check import CHECKED_IMAGES, ImageCheck
 from multi_train_utils.bookkeeping import Tally
-from multi_train_utils.distributed_utils import cleanup, is_main_process, on_main_process, print_once, val_shard
+from multi_train_utils.distributed_utils import (
+    cleanup,
+    is_main_process,
+    on_main_process,
+    print_once,
+    val_shard,
+    warn_once,
+)
 from multi_train_utils.spawn_utils import choose_meeting_point, report_failures, run_workers
 from plot_results import save_png
 from run.results import add_results_arguments, check_results_file, results_file
@@ -50,6 +57,7 @@ from utils import (
     describe,
     entry_point,
     number,
+    readable,
     warn,
     write_json,
 )
@@ -94,9 +102,10 @@ def plot_confusion_matrix(confusion: torch.Tensor, classes: list[str], title: st
     axes = figure.subplots()
     image = axes.imshow(counts, cmap="Blues")
     figure.colorbar(image, ax=axes, label="images")
+    classes = [readable(name) for name in classes]  # a figure takes text alone
     axes.set_xticks(range(len(classes)), classes, rotation=45, ha="right", rotation_mode="anchor")
     axes.set_yticks(range(len(classes)), classes)
-    axes.set(xlabel="predicted class", ylabel="true class", title=title)
+    axes.set(xlabel="predicted class", ylabel="true class", title=readable(title))
     for (row, column), count in np.ndenumerate(counts):
         dark = count > counts.max() / 2  # white text on the dark cells
         axes.text(column, row, str(count), ha="center", va="center", color="white" if dark else "black")
@@ -228,9 +237,7 @@ def evaluate_weights(args, process) -> None:
     evaluation = plan(args, trained)
     images, labels, classes = evaluation.images, evaluation.labels, trained.classes
     if evaluation.unreadable:
-        print_once(
-            f"warning: skipped {len(evaluation.unreadable)} unreadable image(s): {describe(evaluation.unreadable)}"
-        )
+        warn_once(f"skipped {len(evaluation.unreadable)} unreadable image(s): {describe(evaluation.unreadable)}")
     print_once(evaluation.announcement)
 
     # DDP: this process scores images rank, rank + world size, ...: every image once, none padded

@@ -33,7 +33,7 @@ from dataset.images import image_problem
 from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD, RESIZE_RATIO, normalise
 from multi_train_utils.distributed_utils import resolve_device
 from run.trained import add_run_overrides, image_loader, load_trained_model
-from utils import HelpFormatter, Parser, UserError, check_new_file, entry_point, write_atomically
+from utils import HelpFormatter, Parser, UserError, check_new_file, entry_point, warn, write_atomically
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}  # the default output's suffix
 TOLERANCE = 1e-4  # largest absolute difference in logits from PyTorch float32 that the check accepts
@@ -156,7 +156,7 @@ def onnx_runner(data: bytes):
     try:
         import onnxruntime
     except ImportError:
-        print("warning: onnxruntime is not installed, so the ONNX file was not checked (pip install onnxruntime)")
+        warn("onnxruntime is not installed, so the ONNX file was not checked (pip install onnxruntime)")
         return None, None
     session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
     return (

@@ -18,13 +18,19 @@ drawing functions can be called from other scripts (benchmark.py calls plot_benc
 
 import argparse
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from utils import Parser, UserError, entry_point, read_json, read_json_lines, write_atomically
+from utils import Parser, UserError, entry_point, read_json, read_json_lines, readable, write_atomically
+
+# A class named in a script the figures' font lacks (Chinese, Korean, ...) or holding a control character is drawn
+# as boxes; said once a character by matplotlib, every epoch, that would bury the run's own lines. (A filter set
+# once: catch_warnings around each drawing is not safe in the background thread that draws TensorBoard's.)
+warnings.filterwarnings("ignore", r"Glyph \d+ .*missing from font", UserWarning)
 
 METRICS_NAME, BENCHMARK_NAME = "metrics.jsonl", "benchmark.json"
 CURVES_PNG, BENCHMARK_PNG = "training_curves.png", "benchmark.png"
@@ -74,7 +80,7 @@ def classify(argument: Path) -> tuple[str, Path]:
 def run_label(folder: Path, epochs: list[dict]) -> str:
     """The run folder's name and its number of processes, e.g. "train_multi_gpu_using_launch-... (2 processes)"."""
     processes = epochs[-1].get("world_size", 1)
-    return f"{folder.resolve().name} ({processes} process{'es' if processes != 1 else ''})"
+    return f"{readable(folder.resolve().name)} ({processes} process{'es' if processes != 1 else ''})"
 
 
 def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
@@ -174,6 +180,7 @@ def plot_predictions(images, true_labels: list[int], predicted: list[int], class
     ax = fig.add_axes((0, 0, 1, 1))
     ax.imshow(grid)
     ax.axis("off")
+    classes = [readable(name) for name in classes]
     for i, (truth, guess) in enumerate(zip(true_labels, predicted, strict=True)):
         row, column = divmod(i, columns)
         label = classes[guess] if guess == truth else f"{classes[guess]}\n(true: {classes[truth]})"

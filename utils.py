@@ -21,12 +21,28 @@ class UserError(Exception):
     """A problem with the user's input: shown as one line on stderr, exit status 2, never a traceback."""
 
 
+# A file's name as the filesystem gives it (on Linux and macOS any bytes but "/" and NUL: a zip file from Windows or
+# an old Mac, a NAS copy) is a str in which each byte that is not UTF-8 is a lone surrogate (os.fsdecode); written
+# with this error handler those are the same bytes again. The project's output, and the text files it writes that
+# hold names (predict.py's results), are written so; the JSON files escape them (\udcff) and read them back alike.
+NAMES = "surrogateescape"
+
+
+def readable(name: str) -> str:
+    """`name` for what takes text alone (a figure's label, a tracker's tag): each byte of it that is not UTF-8 shown
+    as U+FFFD."""
+    return name.encode("utf-8", NAMES).decode("utf-8", "replace")
+
+
 def entry_point(function):
     """Decorate a script's main (or a spawned worker): a UserError becomes one line on stderr and exit status 2,
-    Ctrl-C a short note and status 130. Bugs stay tracebacks."""
+    Ctrl-C a short note and status 130. Bugs stay tracebacks. Its output carries file names as they are (NAMES)."""
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):  # (not a StringIO a test prints into)
+                stream.reconfigure(errors=NAMES)
         try:
             return function(*args, **kwargs)
         except UserError as error:
@@ -327,7 +343,7 @@ def atomic_file(path, binary: bool = False, size: int | None = None):
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8", errors=NAMES) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dataset.images import image_problem
-from utils import UserError, describe, write_json
+from utils import NAMES, UserError, describe, write_json
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -40,7 +40,7 @@ def split_fingerprint(split: DataSplit, root) -> dict:
     def digest(images: list[str], labels: list[int]) -> str:
         pairs = zip(relative_posix(images, root), labels, strict=True)
         lines = sorted(f"{image}\t{label}\n" for image, label in pairs)
-        return hashlib.sha256("".join(lines).encode()).hexdigest()
+        return hashlib.sha256("".join(lines).encode("utf-8", NAMES)).hexdigest()
 
     return {
         "train_images": len(split.train_images),
@@ -187,7 +187,7 @@ def random_split(root: Path, val_rate: float, seed: int, check) -> DataSplit:
     for label, (name, images) in enumerate(zip(classes, found, strict=True)):
         if len(images) < 2:
             raise UserError(f"class folder {root / name} has {len(images)} image; at least 2 are needed to split it")
-        random.Random(f"{seed}:{name}").shuffle(images)
+        random.Random(f"{seed}:{name}".encode("utf-8", NAMES)).shuffle(images)  # (as str: the same draws)
         num_val = min(max(1, round(len(images) * val_rate)), len(images) - 1)
         for i, path in enumerate(images):
             images_out, labels_out = (

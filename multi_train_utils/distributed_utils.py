@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from dataset.sampling import SeededBatchSampler
-from utils import UserError, number
+from utils import UserError, number, warn
 
 
 def is_dist_avail_and_initialized() -> bool:
@@ -42,6 +42,12 @@ def print_once(*message) -> None:
     """print, on the main process alone: one line per job, not one per process."""
     if is_main_process():
         print(*message, flush=True)
+
+
+def warn_once(message: str) -> None:
+    """warn (one line on stderr), on the main process alone."""
+    if is_main_process():
+        warn(message)
 
 
 def environment_number(name: str, text: str, minimum: int, maximum: int | None = None) -> int:

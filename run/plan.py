@@ -28,7 +28,7 @@ from multi_train_utils.distributed_utils import check_backend, launcher_environm
 from recipe.config import Config, admitted
 from run.metrics import METRICS_NAME, read_metrics
 from run.trained import of_their_model
-from utils import UserError, check_writable, describe, run_files_in
+from utils import UserError, check_writable, describe, readable, run_files_in
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     if config.demo:
         make_demo_data(data_path)
     folder = config.output_dir or (config.resume.parent if config.resume else None)  # the run's, if named already
+    if folder is not None and readable(str(folder)) != str(folder):  # TensorBoard's writer encodes its path strictly
+        raise UserError(f"output folder {folder} has a name that is not UTF-8, which TensorBoard cannot write into")
     check = ImageCheck(data_path, folder, shared=launcher_environment() is not None and world_size > 1)
     if check.shared:  # under torchrun every rank prepares: they share the image check
         check_writable(folder)  # the ranks meet there (a lock), before any of them writes the run's files

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from multi_train_utils.stop_and_resume import STOP_SIGNALS
-from utils import atomic_file, check_new_file, positive_int
+from utils import NAMES, atomic_file, check_new_file, positive_int
 
 FORMATS = (".csv", ".jsonl")
 DECIMALS = 6  # of each probability: 1e-6 is far below any difference between two classes worth reading
@@ -78,7 +78,7 @@ class ResultsWriter:
     def __init__(self, file, topk: int, jsonl: bool):
         self.file, self.topk, self.jsonl, self.rows = file, topk, jsonl, 0
         if not jsonl:
-            self.csv = csv.writer(file, lineterminator="\n")
+            self.csv = csv.writer(file)  # RFC 4180's lines (CRLF): a name holding a CR or LF is quoted, read back whole
             ranked = [f"{column}_{rank}" for rank in range(1, topk + 1) for column in ("class", "probability")]
             self.csv.writerow(["path", "true_class", *ranked, "unreadable"])
 
@@ -139,7 +139,7 @@ def unwinding_on_stop_signals():
 def read_results(path: Path) -> list[dict]:
     """The rows of a results file, CSV or JSON Lines, each as JSON Lines writes it: {"path", "true_class",
     "classes", "probabilities", "unreadable"} (None where a CSV cell is empty)."""
-    with open(path, encoding="utf-8", newline="") as file:
+    with open(path, encoding="utf-8", errors=NAMES, newline="") as file:
         if path.suffix.lower() == ".jsonl":
             return [json.loads(line) for line in file]
         rows = []

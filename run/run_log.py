@@ -11,7 +11,7 @@ import torch
 
 from dataset.folders import split_fingerprint, write_class_indices
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, save_epoch, training_state
-from multi_train_utils.distributed_utils import print_once
+from multi_train_utils.distributed_utils import print_once, warn_once
 from multi_train_utils.epoch_writer import EpochWriter, on_host
 from recipe.loss import describe_class_weights
 from recipe.optimizer import describe_learning_rate
@@ -32,7 +32,7 @@ def announce(config, plan, process, workers: int, decoded: str) -> None:
     if process.device.type == "cpu" and not torch.cuda.is_available():
         print_once("No CUDA GPU found: training on the CPU.")
     if split.unreadable:
-        print_once(f"warning: skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
+        warn_once(f"skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
     print_once(
         f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
         f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; {workers} loader workers per process"

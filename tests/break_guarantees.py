@@ -26,6 +26,7 @@ RESUME_MATRIX = (
 )
 FR, MB, FT = "tests/test_files_read_back.py::", "tests/test_micro_batch.py::", "tests/test_fine_tuning.py::"
 TK = "tests/test_tracking.py::"
+NAMES_RUN = "tests/test_file_names.py::test_a_run_on_any_names_trains_and_scores_each_image_once_under_its_own_bytes"
 NO_WAIT_STEP = HS + "test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing"
 STEP_TEST = EQ + "test_ddp_with_sync_bn_takes_the_same_steps_as_one_process_on_the_whole_batch"
 SHARD_TEST = EQ + "test_training_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch"
@@ -233,6 +234,11 @@ BREAKS = [
     ("18g a database tracker tried as long as MLflow would", "run/tracking.py",
      "        mlflow.store.db.utils.MAX_RETRY_COUNT = DATABASE_TRIES\n", "",
      TK + "test_a_tracker_that_cannot_be_opened_costs_one_warning_and_seconds"),
+    ("18h a split seeded by a name's strict UTF-8", "dataset/folders.py",
+     'random.Random(f"{seed}:{name}".encode("utf-8", NAMES))', 'random.Random(f"{seed}:{name}")',
+     "tests/test_file_names.py::test_any_names_are_listed_split_and_written_back_as_the_same_bytes"),
+    ("18i the output's names encoded strictly", "utils.py", "                stream.reconfigure(errors=NAMES)\n",
+     "                pass\n", NAMES_RUN),
     # Batches made on the device (dataset/on_device.py, issue 43)
     ("16a a crop box drawn from another seed", "dataset/on_device.py",
      "np.array([seed for _, seed in pairs], dtype=np.uint64)",

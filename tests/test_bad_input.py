@@ -29,7 +29,7 @@ def test_unreadable_images_are_skipped_with_one_warning_naming_them(data_with_ba
     result = run_script("train_single_gpu.py", "--data-path", data_with_bad_images, "--epochs", "1",
                         "--output-dir", tmp_path / "run", *FAST)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "truncated.jpg" in warnings[0] and "notes.JPG" in warnings[0]
     assert "skipped 2 unreadable image(s)" in warnings[0]
 

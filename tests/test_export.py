@@ -194,9 +194,9 @@ def test_without_onnxruntime_the_check_alone_is_skipped_with_a_warning(run, onnx
     export.main.__wrapped__(
         [str(run / "weights" / "best.pth"), "--format", "onnx", "--output", str(tmp_path / "m.onnx")]
     )
-    stdout = capsys.readouterr().out
-    assert "warning: onnxruntime is not installed, so the ONNX file was not checked" in stdout
-    assert "Checked with" not in stdout and (tmp_path / "m.onnx").read_bytes() == exported
+    printed = capsys.readouterr()
+    assert "warning: onnxruntime is not installed, so the ONNX file was not checked" in printed.err
+    assert "Checked with" not in printed.out and (tmp_path / "m.onnx").read_bytes() == exported
 
 
 @pytest.mark.fast
