@@ -7,7 +7,9 @@ tests/wiring.py builds loaders and models as the scripts do. The parallel machin
 a new test does not need it.
 """
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import shutil
@@ -133,6 +135,21 @@ def run_main(capsys):
         return subprocess.CompletedProcess([script, *args], exit_info.value.code, printed.out, printed.err)
 
     return call
+
+
+def run_here(script: str, *args) -> subprocess.CompletedProcess:
+    """A script's run called in this process, with a command line: what run_script returns, without the 5-6 s of
+    a new interpreter importing torch (on a worker's one core). For runs whose start is not what is tested (a
+    resume after a failure, a run in a folder a refusal left); run_script for the first start of each kind."""
+    module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            module.main([str(arg) for arg in args])
+            code = 0
+        except SystemExit as exit:
+            code = exit.code or 0
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_user_error(result, fragment: str):

@@ -20,6 +20,7 @@ from conftest import (
     final_weights,
     metrics_without_timings,
     processes_with,
+    run_here,
     run_script,
     script_command,
     torchrun,
@@ -66,7 +67,7 @@ def test_a_run_killed_after_epoch_2_and_resumed_ends_bitwise_as_an_uninterrupted
         process.send_signal(signal.SIGKILL)
         process.communicate()
     assert load_checkpoint(out / "checkpoint.pth")["epoch"] in (1, 2)  # the kill left a whole checkpoint
-    resumed = run_script("train_single_gpu.py", *flags, "--resume", out / "checkpoint.pth")
+    resumed = run_here("train_single_gpu.py", *flags, "--resume", out / "checkpoint.pth")
     assert resumed.returncode == 0, resumed.stderr
     assert "Resuming from" in resumed.stdout
 
@@ -91,7 +92,7 @@ def test_a_resume_that_would_change_the_recipe_is_refused_and_leaves_the_run_as_
     assert {path: path.read_bytes() for path in before} == before
 
     # Speed flags may change: the recipe is the same.
-    resumed = run_script(
+    resumed = run_here(
         "train_single_gpu.py", *flags, "--workers", "1", "--batches", "loader", "--resume", out / "checkpoint.pth"
     )
     assert resumed.returncode == 0, resumed.stderr

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, fault_env, processes_with, run_script, torchrun
+from conftest import FAST, fault_env, processes_with, run_here, run_script, torchrun
 from torch import nn
 
 from dataset.folders import read_split_data
@@ -50,7 +50,7 @@ def test_a_full_disk_while_saving_stops_the_run_in_one_line_and_resume_continues
     assert re.search(r"\d+ MiB free on its filesystem, about \d+ MiB needed", line), line
     assert f"{out / 'checkpoint.pth'} (epoch 0) is untouched" in line and "--resume" in line
 
-    resumed = run_script("train_single_gpu.py", *flags, "--resume", out / "checkpoint.pth")  # once there is room
+    resumed = run_here("train_single_gpu.py", *flags, "--resume", out / "checkpoint.pth")  # once there is room
     assert resumed.returncode == 0, resumed.stderr
     assert [json.loads(m)["epoch"] for m in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 

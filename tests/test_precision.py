@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, fault_env, run_script
+from conftest import ROOT, fault_env, run_here, run_script
 from torch import nn
 from wiring import model_as_trained
 
@@ -185,7 +185,7 @@ def test_a_float16_run_saves_its_gradient_scaler_and_resumes_with_it(tmp_path):
     assert "float16 autocast with gradient scaling" in result.stdout
     state = torch.load(out / "checkpoint.pth", weights_only=True)
     assert state["epoch"] == 0 and state["scaler"]["scale"] > 1
-    result = run_script("train_single_gpu.py", *flags, "--auto-resume")
+    result = run_here("train_single_gpu.py", *flags, "--auto-resume")
     assert result.returncode == 0, result.stderr
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] == 1
 

@@ -17,6 +17,7 @@ from conftest import (
     final_weights,
     metrics_without_timings,
     processes_with,
+    run_here,
     run_script,
     torchrun,
 )
@@ -97,7 +98,7 @@ def test_kill_9_during_an_epochs_write_leaves_the_last_files_whole_and_the_resum
     assert events[-1].startswith("fault: writing"), events  # a write in flight at the kill
     state = load_checkpoint(out / "checkpoint.pth")  # whole: epoch 0's, or epoch 1's if it was written in time
     assert state["epoch"] in (0, 1) and torch.load(out / "weights" / "last.pth", weights_only=True)
-    resumed = run_script("train_single_gpu.py", *flags, "--auto-resume", timeout=240)
+    resumed = run_here("train_single_gpu.py", *flags, "--auto-resume")
     assert resumed.returncode == 0, resumed.stderr
     expected, weights = final_weights(reference_run), final_weights(out)
     assert all(torch.equal(expected[k], weights[k]) for k in expected)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DDP_FLAGS, ROOT, STOPPED_FLAGS, assert_user_error, copy_run, run_script, torchrun
+from conftest import DDP_FLAGS, ROOT, STOPPED_FLAGS, assert_user_error, copy_run, run_here, run_script, torchrun
 from filelock import FileLock
 
 from dataset.demo import make_demo_data
@@ -67,7 +67,7 @@ def test_a_run_into_a_folder_another_run_holds_is_refused_and_leaves_it_as_it_wa
             assert "wait for that run to end, or choose another --output-dir" in refused.stderr
         assert files_of(out) == before
 
-    resumed = run_script("train_single_gpu.py", *flags, "--auto-resume")  # released: the run continues
+    resumed = run_here("train_single_gpu.py", *flags, "--auto-resume")  # released: the run continues
     assert resumed.returncode == 0, resumed.stderr
     assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 1
 
@@ -82,7 +82,9 @@ def test_under_torchrun_rank_0_alone_holds_the_folder_and_its_refusal_ends_the_j
     # which torchrun's ranks share before rank 0 holds the folder
     assert {path.name for path in out.iterdir()} <= {RUN_LOCK, CHECKED_IMAGES, CHECK_LOCK}
 
-    ran = run_script("train_multi_gpu_using_launch.py", *flags, launcher=torchrun(2))  # rank 1 takes no lock
+    # The corrected command is not refused for what the refusal left (a run of 2 that rank 1 takes no lock in:
+    # torchrun_run); here in one process, the launch script started without torchrun
+    ran = run_here("train_multi_gpu_using_launch.py", *flags)
     assert ran.returncode == 0, ran.stderr
     assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 0
 
@@ -188,7 +190,7 @@ def test_a_resume_into_another_runs_folder_is_refused_and_one_into_a_new_folder_
     assert_user_error(new_run, "continue it with --auto-resume, or choose another --output-dir")
     assert files_of(own) == before and files_of(other) == before_other
 
-    elsewhere = run_script("train_single_gpu.py", *flags, "--output-dir", tmp_path / "new")
+    elsewhere = run_here("train_single_gpu.py", *flags, "--output-dir", tmp_path / "new")
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert f"The run continues in {tmp_path / 'new'}, a folder of its own: {own} is left as it was" in elsewhere.stdout
     assert files_of(own) == before and load_checkpoint(tmp_path / "new" / "checkpoint.pth")["epoch"] == 1

@@ -4,7 +4,6 @@ as a user's tools would; a tracker that cannot be reached costs one warning and 
 
 import contextlib
 import importlib
-import io
 import json
 import shutil
 import threading
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DDP_FLAGS, REFERENCE_FLAGS, fault_env, final_weights, run_script, torchrun
+from conftest import DDP_FLAGS, REFERENCE_FLAGS, fault_env, final_weights, run_here, run_script, torchrun
 
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.spawn_utils import find_free_port
@@ -55,17 +54,6 @@ def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return [(point.step, point.value) for point in MlflowClient(uri).get_metric_history(run_id, key)]
 
 
-def in_this_process(script: str, *args) -> tuple[int, str]:
-    """A script's main called in this process with a command line: (its exit status, what it printed)."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-        try:
-            importlib.import_module(script).main([str(arg) for arg in args])
-        except SystemExit as exit:
-            return exit.code, printed.getvalue()
-    return 0, printed.getvalue()
-
-
 def full_disk(output_dir, epoch, *args, **options):
     """run_log's save_epoch on a full disk: the epoch's metrics.jsonl line is written, its checkpoint is not."""
     raise OutputError(f"cannot write {output_dir / 'weights' / 'last.pth'}: No space left on device")
@@ -97,10 +85,12 @@ def tracked(tiny_data, tmp_path_factory):
         stopped = seen(uri) if len(stopped_runs) == 1 else None
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(run_log, "save_epoch", full_disk)
-            status, printed = in_this_process("train_multi_gpu_using_launch", *flags, "--auto-resume")
+            on_full_disk = run_here("train_multi_gpu_using_launch.py", *flags, "--auto-resume")
+        status, printed = on_full_disk.returncode, on_full_disk.stdout + on_full_disk.stderr
         assert status == 2 and "No space left on device" in printed, printed
         failed = seen(uri)
-        status, printed = in_this_process("train_multi_gpu_using_launch", *flags, "--auto-resume")
+        ended = run_here("train_multi_gpu_using_launch.py", *flags, "--auto-resume")
+        status, printed = ended.returncode, ended.stdout + ended.stderr
     assert status == 0 and "Resuming from" in printed and "warning:" not in printed, printed
     return SimpleNamespace(
         uri=uri, out=out, stopped=stopped, failed=failed, stopped_runs=stopped_runs, stop_stderr=stop.stderr

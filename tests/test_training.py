@@ -13,6 +13,7 @@ from conftest import (
     assert_user_error,
     final_weights,
     metrics_without_timings,
+    run_here,
     run_script,
     torchrun,
 )
@@ -150,7 +151,7 @@ def test_logged_validation_accuracy_is_the_single_process_accuracy_of_the_saved_
 @pytest.mark.guarantee
 def test_the_same_seed_gives_bitwise_identical_weights_and_another_seed_does_not(tiny_data, tmp_path, reference_run):
     def train(name, *flags):
-        result = run_script("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", tmp_path / name, *flags)
+        result = run_here("train_single_gpu.py", "--data-path", tiny_data, "--output-dir", tmp_path / name, *flags)
         assert result.returncode == 0, result.stderr
         return tmp_path / name
 
