@@ -5,6 +5,7 @@ splits the dataset, takes the output folder for this run (one run per folder: ho
 everything the training loop needs to know that the flags alone do not say. Mistakes end here, in one line.
 """
 
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -153,18 +154,24 @@ def hold_run_folder(folder: Path) -> None:
     held_run_folders[folder.resolve()] = lock
 
 
+# The files a run writes once an epoch has ended: a folder holding none of them holds nothing to keep
+FINISHED_EPOCH_FILES = (METRICS_NAME, CHECKPOINT_NAME, "weights/*.pth")
+
+
 def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> None:
     """Refuse, before any file is touched, a run that would write into another run's folder. A resume writes into
-    its checkpoint's folder, or into one that holds no run's files (and says so); a new run into one that holds
-    none; a restart (--auto-resume finding no checkpoint: the run stopped before its first epoch ended) into one
-    that holds no finished epoch. Under torchrun every rank prepares and refuses alike, before any of them writes
+    its checkpoint's folder, or into one that holds no run's files (and says so). A new run writes into a folder
+    that holds no finished epoch: what a start that ended before its first epoch did left there (its args.json,
+    class_indices.json, tb/, tracked_run.json) holds nothing to keep, whatever ended it (a failure in the first
+    step, a refusal on bad images, a stop), so the corrected command runs where it failed; a restart
+    (--auto-resume finding no checkpoint) continues that start in its files (and its tracked run), a new run
+    replaces them (and says so). Under torchrun every rank prepares and refuses alike, before any of them writes
     (the process group forms after prepare)."""
     if resume is not None and output_dir.resolve() == resume.parent.resolve():
         return
     found = run_files_in(output_dir)
-    if restart:
-        found = [name for name in found if name in (METRICS_NAME, "weights/*.pth")]  # a finished epoch's files
-    if found:
+    finished = [name for name in found if name in FINISHED_EPOCH_FILES]
+    if finished or found and resume is not None:
         where = (
             f"resume {resume} in its own folder (leave out --output-dir) or into a new or empty one"
             if resume is not None
@@ -173,8 +180,18 @@ def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> No
             else "continue it with --auto-resume, or choose another --output-dir"
         )
         raise UserError(f"{output_dir} already holds a run ({', '.join(found)}): {where}")
-    if resume is not None and first_rank():
+    if not first_rank():  # rank 0 says it and replaces the files
+        return
+    if resume is not None:
         print(f"The run continues in {output_dir}, a folder of its own: {resume.parent} is left as it was", flush=True)
+    elif found and not restart:
+        for path in [path for pattern in found for path in output_dir.glob(pattern)]:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        print(
+            f"{output_dir} held the start of a run that ended before its first epoch did ({', '.join(found)}): "
+            "this run starts there anew",
+            flush=True,
+        )
 
 
 def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_size: int):

@@ -239,6 +239,13 @@ BREAKS = [
      "tests/test_file_names.py::test_any_names_are_listed_split_and_written_back_as_the_same_bytes"),
     ("18i the output's names encoded strictly", "utils.py", "                stream.reconfigure(errors=NAMES)\n",
      "                pass\n", NAMES_RUN),
+    ("18j a start that finished no epoch keeps its folder from a new run", "run/plan.py",
+     "    if finished or found and resume is not None:\n", "    if found and not restart or finished:\n",
+     "tests/test_run_folder.py::test_a_run_that_failed_before_its_first_epoch_ended_leaves_its_folder_to_the_corrected_command"),
+    ("18k a new run continues the tracked run of a start that finished no epoch", "run/plan.py",
+     "            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()\n",
+     "            path.name == 'tracked_run.json' or (shutil.rmtree(path) if path.is_dir() else path.unlink())\n",
+     TK + "test_a_run_refused_in_its_first_epoch_leaves_its_folder_to_the_corrected_command_tracked_anew"),
     # Batches made on the device (dataset/on_device.py, issue 43)
     ("16a a crop box drawn from another seed", "dataset/on_device.py",
      "np.array([seed for _, seed in pairs], dtype=np.uint64)",

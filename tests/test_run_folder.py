@@ -2,6 +2,8 @@
 behind, and a resume continues the same run, on the same split of the data."""
 
 import contextlib
+import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -87,6 +89,30 @@ def test_under_torchrun_rank_0_alone_holds_the_folder_and_its_refusal_ends_the_j
     ran = run_here("train_multi_gpu_using_launch.py", *flags)
     assert ran.returncode == 0, ran.stderr
     assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 0
+
+
+def test_a_run_that_failed_before_its_first_epoch_ended_leaves_its_folder_to_the_corrected_command(
+    tiny_data, tmp_path, monkeypatch, run_main
+):
+    script, out = importlib.import_module("train_single_gpu"), tmp_path / "run"
+    flags = ("train_single_gpu.py", "--data-path", tiny_data, *STOPPED_FLAGS, "--output-dir", out)
+
+    def out_of_memory(*args, **options):  # the first step's failure, a traceback, as a GPU too small gives it
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with monkeypatch.context() as first_step, pytest.raises(RuntimeError, match="out of memory"):
+        first_step.setattr(script, "train_one_epoch", out_of_memory)
+        run_here(*flags)
+    left = {path.relative_to(out).parts[0] for path in out.iterdir()}
+    assert {"args.json", "class_indices.json", "tb"} <= left and "metrics.jsonl" not in left
+
+    corrected = run_here(*flags, "--batch-size", "4", "--epochs", "1")  # a smaller batch, in the same folder
+    assert corrected.returncode == 0, corrected.stderr
+    held = "(args.json, class_indices.json, tb/*): this run starts there anew"
+    assert f"{out} held the start of a run that ended before its first epoch did {held}" in corrected.stdout
+    assert json.loads((out / "args.json").read_text())["batch_size"] == 4 and len(list((out / "tb").iterdir())) == 1
+    # once an epoch has ended, the folder is the run's: a new run is refused, --auto-resume continues it
+    assert_user_error(run_main(*flags), "continue it with --auto-resume, or choose another --output-dir")
 
 
 @pytest.mark.fast

@@ -19,7 +19,7 @@ from multi_train_utils.spawn_utils import find_free_port
 from recipe.config import Config
 from run import run_log
 from run.tracking import EXPERIMENT, MLFLOW_SETTINGS, TRACKED_RUN_NAME, Tracking, read_tracked_run
-from utils import OutputError
+from utils import OutputError, UserError
 
 
 @contextlib.contextmanager
@@ -300,3 +300,32 @@ def test_a_tracker_removed_while_the_run_trains_costs_one_warning(store, tmp_pat
     (line,) = capsys.readouterr().err.splitlines()  # not MLflow's traceback
     assert line.startswith(f"warning: MLflow tracking at {uri} failed (") and "Traceback" not in line, line
     assert read_tracked_run(out)["run_id"] == run.info.run_id  # a resume on the tracker restored logs what it lacks
+
+
+def test_a_run_refused_in_its_first_epoch_leaves_its_folder_to_the_corrected_command_tracked_anew(
+    tiny_data, tmp_path, monkeypatch
+):
+    # The first start tracked, then stopped in its first epoch by a refusal (as too many unreadable images stop it):
+    # its folder holds args.json, class_indices.json, tb/ and tracked_run.json, no finished epoch
+    script, uri, out = importlib.import_module("train_single_gpu"), str(tmp_path / "mlruns"), tmp_path / "run"
+    flags = ("--data-path", tiny_data, *REFERENCE_FLAGS, "--output-dir", out, "--tracking-uri", uri)
+
+    def refused(*args, **options):
+        raise UserError("12 of epoch 0's training images could not be read, more than the 1 (1 %) ...")
+
+    with monkeypatch.context() as first_epoch:
+        first_epoch.setattr(script, "train_one_epoch", refused)
+        stopped = run_here("train_single_gpu.py", *flags)
+    assert stopped.returncode == 2 and not (out / "metrics.jsonl").exists()
+    (failed,) = tracked_runs(uri)
+    assert failed.info.status == "FAILED" and read_tracked_run(out)["run_id"] == failed.info.run_id
+
+    corrected = run_here("train_single_gpu.py", *flags, "--epochs", "1")  # the same folder, fewer epochs
+    assert corrected.returncode == 0, corrected.stderr
+    held = "(args.json, class_indices.json, tb/*, tracked_run.json): this run starts there anew"
+    assert f"{out} held the start of a run that ended before its first epoch did {held}" in corrected.stdout
+    assert json.loads((out / "args.json").read_text())["epochs"] == 1 and len(list((out / "tb").iterdir())) == 1
+    runs = {run.info.run_id: run for run in tracked_runs(uri)}  # the failed start's, marked as it ended, and a new one
+    new = read_tracked_run(out)["run_id"]
+    assert runs.keys() == {failed.info.run_id, new} and runs[failed.info.run_id].info.status == "FAILED"
+    assert runs[new].info.status == "FINISHED" and history(uri, new, "val_acc")[0][0] == 0
