@@ -347,7 +347,9 @@ def in_fresh_process(name: str, target, *args) -> dict:
     left over from another row. Each is forked from multiprocessing's forkserver, a process that has imported this
     module (torch and torchvision with it) and run nothing, so a row does not spend seconds importing them anew."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", __name__])  # takes effect when the server starts, with the first row
+    # Preloaded by its name: "__main__" is not (Python 3.11's forkserver drops the script's path from what it is
+    # given), and each row then imported torch anew. Takes effect when the server starts, with the first row.
+    context.set_forkserver_preload(["tools.benchmark"])
     queue = context.Queue()
     process = context.Process(target=target, args=(queue, *args))
     process.start()
