@@ -162,7 +162,8 @@ BREAKS = [
     ("13e launcher variables unchecked", "multi_train_utils/distributed_utils.py",
      "        return number(int, minimum, maximum)(text)", "        return int(text)",
      OG + "test_a_launchers_counts_are_admitted_exactly_when_they_describe_a_job"),
-    ("13f a resume writes into another run", "run/plan.py", "    if found:\n", "    if False:\n",
+    ("13f a resume writes into another run", "run/plan.py",
+     "    if finished or found and resume is not None:\n", "    if False:\n",
      "tests/test_run_folder.py::"
      "test_a_resume_into_another_runs_folder_is_refused_and_one_into_a_new_folder_leaves_its_own_run_alone"),
     ("13g a checkpoint's CRC-32s unchecked", "utils.py",

@@ -160,7 +160,7 @@ def test_a_resume_on_data_that_lost_or_gained_images_is_refused_and_one_on_moved
     damaged.write_bytes(original)
 
     moved = data.rename(tmp_path / "moved")  # the same files, relative to the data folder
-    resumed = run_script(*resume, "--data-path", moved)
+    resumed = run_here(*resume, "--data-path", moved)
     assert resumed.returncode == 0, resumed.stderr
     assert load_checkpoint(out / "checkpoint.pth")["epoch"] == 1
 

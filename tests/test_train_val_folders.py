@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import FAST, assert_user_error, run_script
+from conftest import FAST, assert_user_error, run_here
 from PIL import Image
 
 import evaluate
@@ -144,7 +144,7 @@ def given_data(tmp_path_factory) -> Path:
 def given_run(given_data, tmp_path_factory):
     """One epoch at 32 px on given_data, with a --val-rate that would split differently: (run folder, process)."""
     out = tmp_path_factory.mktemp("given_run") / "run"
-    result = run_script(
+    result = run_here(
         "train_single_gpu.py", "--data-path", given_data, "--output-dir", out, "--epochs", "1", "--val-rate", "0.5",
         *FAST,
     )  # fmt: skip

@@ -79,7 +79,7 @@ def test_tensorboard_shows_predictions_each_epoch_and_the_runs_flags(trained_run
 
 def test_data_parallel_without_several_gpus_trains_a_plain_model(tiny_data, tmp_path):
     out = tmp_path / "run"
-    result = run_script(
+    result = run_here(
         "train_single_gpu.py", "--data-path", tiny_data, "--output-dir", out, "--epochs", "1", "--data-parallel", *FAST
     )
     assert result.returncode == 0, result.stderr
@@ -179,7 +179,7 @@ def test_a_folder_of_grayscale_pngs_with_ten_classes_trains_unchanged(tmp_path):
         for i in range(5):
             Image.new("L", (36, 36), color=20 * c + i).save(tmp_path / "data" / f"digit_{c}" / f"{i}.png")
     out = tmp_path / "run"
-    result = run_script(
+    result = run_here(
         "train_single_gpu.py", "--data-path", tmp_path / "data", "--output-dir", out, "--epochs", "1", *FAST
     )
     assert result.returncode == 0, result.stderr
