@@ -202,7 +202,7 @@ def trained_run(learnable_data, shared_tmp):
 
     def make(folder):
         out = folder / "run"
-        result = run_script(
+        result = run_here(  # in the process of the xdist worker that asks first: training is what it is for
             "train_single_gpu.py",
             *("--data-path", learnable_data, "--output-dir", out, "--img-size", "32", "--batch-size", "32"),
             *("--epochs", "6", "--lr", "0.01", *SMALL_MODEL, *PINNED),
@@ -229,6 +229,31 @@ def torchrun_run(tiny_data, shared_tmp):
         return result, out
 
     return made_once(shared_tmp, "torchrun_run", make)
+
+
+@pytest.fixture(scope="session")
+def stopped_torchrun_run(tiny_data, shared_tmp):
+    """torchrun_run's command, tracked in a SQLite file, stopped by SIGTERM to torchrun in its second epoch (rank 0
+    sends it at step 1: tests/fault_injection), every rank and loader checked gone: (the finished process, its run
+    folder, a copy of the folder as the stop left it, the tracker's URI). test_tracking continues the run in its
+    folder, tracked; test_preemption resumes copies of it, untracked (the copy names the tracked run, and a resume
+    without a tracker leaves it alone)."""
+
+    uri = f"sqlite:///{shared_tmp / 'stopped_torchrun_run' / 'mlflow.db'}"  # beside the run folder
+
+    def make(folder):
+        out, env = folder / "run", fault_env("stop:1:1:TERM")
+        folder.mkdir(parents=True)
+        stopped = run_script(
+            "train_multi_gpu_using_launch.py", "--data-path", tiny_data, *DDP_FLAGS, "--output-dir", out,
+            "--tracking-uri", uri, launcher=torchrun(2), env=env, timeout=240,
+        )  # fmt: skip
+        assert "stopped by SIGTERM at epoch 1, step" in stopped.stdout + stopped.stderr, stopped.stderr
+        assert not processes_with(env["RUN_MARKER"])  # every rank and loader exited
+        shutil.copytree(out, folder / "as_stopped")
+        return stopped, out, folder / "as_stopped"
+
+    return (*made_once(shared_tmp, "stopped_torchrun_run", make), uri)
 
 
 @pytest.fixture(scope="session")
@@ -267,7 +292,7 @@ def reference_run(tiny_data, shared_tmp):
 
     def make(folder):
         out = folder / "run"
-        result = run_script("train_single_gpu.py", *REFERENCE_FLAGS, "--data-path", tiny_data, "--output-dir", out)
+        result = run_here("train_single_gpu.py", *REFERENCE_FLAGS, "--data-path", tiny_data, "--output-dir", out)
         assert result.returncode == 0, result.stderr
         return out
 

@@ -13,6 +13,7 @@ from conftest import (
     DDP_FLAGS,
     REFERENCE_FLAGS,
     ROOT,
+    copy_run,
     fault_env,
     final_weights,
     metrics_without_timings,
@@ -35,13 +36,19 @@ def stop_and_resume(script: str, flags: tuple, out, fault: str) -> tuple:
     """Run `script` with the stop fault (tests/fault_injection), then the same command with --auto-resume: (the
     stopped run, its checkpoint, the resumed run)."""
     name, launcher, script_flags = SCRIPTS[script]
-    flags = (*flags, *script_flags, "--output-dir", out)
     env = fault_env(fault)
-    stopped = run_script(name, *flags, launcher=launcher, env=env, timeout=240)
+    stopped = run_script(name, *flags, *script_flags, "--output-dir", out, launcher=launcher, env=env, timeout=240)
     assert not processes_with(env["RUN_MARKER"])  # every rank and loader exited
+    return resume(script, flags, out, stopped)
+
+
+def resume(script: str, flags: tuple, out, stopped) -> tuple:
+    """The run in `out` that `stopped` left, continued by the same command with --auto-resume: (the stopped run,
+    its checkpoint, the resumed run)."""
+    name, launcher, script_flags = SCRIPTS[script]
     state = load_checkpoint(out / "checkpoint.pth")  # whole, though a second signal came while it was written
     assert not list(out.glob(".*.tmp"))
-    resumed = run_script(name, *flags, "--auto-resume", launcher=launcher, timeout=240)
+    resumed = run_script(name, *flags, *script_flags, "--output-dir", out, "--auto-resume", launcher=launcher)
     assert resumed.returncode == 0, resumed.stderr
     return stopped, state, resumed
 
@@ -111,7 +118,11 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_resumed_ru
 ):
     # Rank 0 signals its launcher, which passes SIGTERM on to both ranks: they agree on a step and rank 0 saves it.
     flags = ("--data-path", tiny_data, *DDP_FLAGS)  # 2 epochs of 3 steps, as the uninterrupted run
-    stopped, state, resumed = stop_and_resume(script, flags, tmp_path / "run", "stop:1:1:TERM")
+    if script == "torchrun":  # the suite's torchrun run stopped so (tracked, for test_tracking), resumed untracked
+        stopped, _, as_stopped, _ = request.getfixturevalue("stopped_torchrun_run")
+        stopped, state, resumed = resume(script, flags, copy_run(as_stopped, tmp_path), stopped)
+    else:
+        stopped, state, resumed = stop_and_resume(script, flags, tmp_path / "run", "stop:1:1:TERM")
     assert stopped.returncode != 0
     assert "stopped by SIGTERM at epoch 1, step" in stopped.stdout + stopped.stderr
     assert state["epoch"] == 0 and 2 <= state["midway"]["step"] <= 3  # the signal reaches the ranks within a step

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DDP_FLAGS, REFERENCE_FLAGS, fault_env, final_weights, run_here, run_script, torchrun
+from conftest import DDP_FLAGS, REFERENCE_FLAGS, final_weights, run_here
 
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.spawn_utils import find_free_port
@@ -66,21 +66,17 @@ def seen(uri: str) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def tracked(tiny_data, tmp_path_factory):
+def tracked(stopped_torchrun_run, tiny_data):
     """One run (DDP_FLAGS: 2 epochs) tracked in a SQLite file through three starts: torchrun with 2 processes,
-    stopped by SIGTERM in its second epoch; resumed with --auto-resume in one process (this one: the launch script
-    started without torchrun), which trains that epoch to its end but cannot write its checkpoint (a full disk);
-    resumed again, to the end. A SimpleNamespace: the tracker's `uri`, the run's folder (`out`), and what the
-    tracker held after the stop (`stopped`; all its runs: `stopped_runs`) and after the failure (`failed`), and what
-    the torchrun run printed on stderr (`stop_stderr`)."""
-    folder = tmp_path_factory.mktemp("tracked")
-    uri, out = f"sqlite:///{folder / 'mlflow.db'}", folder / "run"
+    stopped by SIGTERM in its second epoch (the suite's stopped_torchrun_run, which test_preemption resumes too, in
+    copies, untracked); resumed with --auto-resume in one process (this one: the launch script started without
+    torchrun), which trains that epoch to its end but cannot write its checkpoint (a full disk); resumed again, to
+    the end. A SimpleNamespace: the tracker's `uri`, the run's folder (`out`), and what the tracker held after the
+    stop (`stopped`; all its runs: `stopped_runs`) and after the failure (`failed`), and what the torchrun run
+    printed on stderr (`stop_stderr`)."""
+    stop, out, _, uri = stopped_torchrun_run
     flags = ("--data-path", tiny_data, *DDP_FLAGS, "--output-dir", out, "--tracking-uri", uri)
     with mlflow_settings():
-        stop = run_script(
-            "train_multi_gpu_using_launch.py", *flags, launcher=torchrun(2), env=fault_env("stop:1:1:TERM"), timeout=240
-        )
-        assert "stopped by SIGTERM at epoch 1, step" in stop.stdout + stop.stderr, stop.stderr
         stopped_runs = tracked_runs(uri)  # the first test checks there is one, and no warning (stop_stderr)
         stopped = seen(uri) if len(stopped_runs) == 1 else None
         with pytest.MonkeyPatch.context() as patch:
