@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from filelock import BaseFileLock, FileLock, Timeout
-
 from dataset.demo import DEMO_DATA_PATH, make_demo_data
 from dataset.folders import DataSplit, read_split_data, split_fingerprint
 from dataset.image_check import ImageCheck
@@ -27,6 +25,7 @@ from model import (
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from multi_train_utils.distributed_utils import check_backend, launcher_environment
 from recipe.config import Config, admitted
+from run.folder_lock import hold_run_folder
 from run.metrics import METRICS_NAME, read_metrics
 from run.trained import of_their_model
 from utils import UserError, check_writable, describe, readable, run_files_in
@@ -126,32 +125,6 @@ def first_rank() -> bool:
     """Whether this process is rank 0, before any process group exists: under torchrun every rank prepares, and
     rank 0 alone speaks and writes."""
     return (launcher_environment() or {}).get("rank", 0) == 0
-
-
-RUN_LOCK = ".run.lock"  # in a run's folder: held by the process that writes the run's files, while it lives
-held_run_folders: dict[Path, BaseFileLock] = {}  # this process's, kept here (not in the Plan, which is pickled)
-
-
-def hold_run_folder(folder: Path) -> None:
-    """Make `folder` if need be and hold its lock until this process exits, without waiting; UserError if another
-    live run holds it. The OS lock (flock, or msvcrt on Windows) ends with its process: a crash leaves none."""
-    if folder.resolve() in held_run_folders:
-        return  # this process holds it already (a script's main called twice in one process, as tests do)
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(folder / RUN_LOCK, timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise UserError(
-            f"{folder} is in use by another run (which holds {folder / RUN_LOCK}): wait for that run to end, or "
-            "choose another --output-dir"
-        ) from None
-    except OSError as error:  # a lock file that is a folder, or that this user may not open
-        raise UserError(
-            f"cannot take the lock {folder / RUN_LOCK}: {error.strerror or error} (a run's lock is a file this user "
-            f"can open): if no run is using {folder}, remove it and run again"
-        ) from None
-    held_run_folders[folder.resolve()] = lock
 
 
 # The files a run writes once an epoch has ended: a folder holding none of them holds nothing to keep

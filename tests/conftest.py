@@ -149,7 +149,7 @@ def run_here(script: str, *args) -> subprocess.CompletedProcess:
             code = 0
         except SystemExit as exit:
             code = exit.code or 0
-    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([script, *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def assert_user_error(result, fragment: str):

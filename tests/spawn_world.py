@@ -23,9 +23,15 @@ def _join_and_run(rank, world_size, port, fn, args):
         dist.destroy_process_group()
 
 
+def forkserver():
+    """multiprocessing's forkserver context, its server importing torch and the project once (when it starts)."""
+    multiprocessing.set_forkserver_preload(["torch", "torchvision", "model", "multi_train_utils.train_eval_utils"])
+    return multiprocessing.get_context("forkserver")
+
+
 def spawn_world(fn, world_size: int, *args) -> None:
     """Call fn(rank, world_size, *args) in world_size processes joined in a gloo group; re-raises any failure."""
-    multiprocessing.set_forkserver_preload(["torch", "torchvision", "model", "multi_train_utils.train_eval_utils"])
+    forkserver()
     mp.start_processes(
         _join_and_run, args=(world_size, find_free_port(), fn, args), nprocs=world_size, start_method="forkserver"
     )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from spawn_world import spawn_world
+from spawn_world import forkserver, spawn_world
 from torch.utils.data import DataLoader, get_worker_info
 
 import dataset.in_memory as decoding
@@ -223,14 +223,20 @@ def shared_or_fail(worker: int) -> None:
 
 def test_loader_workers_started_by_spawn_share_the_decoded_images(tmp_path):
     """As on Windows and macOS: a worker started by spawn gets the decoded images through shared memory, not as a
-    copy, and loads the same batches as the process itself does."""
+    copy, and loads the same batches as the process itself does. Started here by the forkserver (spawn_world's,
+    which has imported torch: spawn's new interpreter would import it for 6-7 s), which hands a worker its dataset
+    as spawn does, pickled by multiprocessing's ForkingPickler with torch's shared-memory reductions."""
     paths = varied_images(tmp_path)[:5]
     train_set = SeededSamples(MyDataSet(paths, list(range(5)), train_transform(32)))
     decode_once([train_set.dataset], gigabytes=1)
     batches = [[(index, index + 10) for index in range(5)]]
     here = list(DataLoader(train_set, batch_sampler=batches))
     spawned = DataLoader(
-        train_set, batch_sampler=batches, num_workers=1, multiprocessing_context="spawn", worker_init_fn=shared_or_fail
+        train_set,
+        batch_sampler=batches,
+        num_workers=1,
+        multiprocessing_context=forkserver(),
+        worker_init_fn=shared_or_fail,
     )
     [(images, labels)] = list(spawned)
     assert torch.equal(images, here[0][0]) and torch.equal(labels, here[0][1])

@@ -36,8 +36,9 @@ from recipe.config import Config
 from recipe.optimizer import build_optimizer
 from run import autotune
 from run.autotune import Choice, cached_or_measured, read_entries
+from run.folder_lock import RUN_LOCK, hold_run_folder
 from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before
-from run.plan import RUN_LOCK, hold_run_folder, prepare
+from run.plan import prepare
 from run.tracking import TRACKED_RUN_NAME, read_tracked_run
 from run.trained import load_trained_model
 from utils import UserError, safe_load, write_json

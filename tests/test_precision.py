@@ -28,7 +28,8 @@ def fixed_batches(steps, size=32, batch=4):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.fast
 def test_mixed_precision_steps_learn_a_fixed_batch(dtype):
-    model, _ = model_as_trained(5, Compute(channels_last=True))
+    # ResNet-18: the same layers as the default ResNet-34 (convolutions, BatchNorm, the head) in half the depth
+    model, _ = model_as_trained(5, Compute(channels_last=True), model="resnet18")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     # The scale starts at 2**10, not the default 2**16, which spends the first steps halving itself on overflows.
     scaler = torch.amp.GradScaler("cpu", init_scale=2**10, enabled=dtype == torch.float16)

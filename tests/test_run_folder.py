@@ -18,7 +18,8 @@ from dataset.demo import make_demo_data
 from dataset.folders import DataSplit, split_fingerprint
 from dataset.image_check import CHECK_LOCK, CHECKED_IMAGES
 from multi_train_utils.checkpoint import load_checkpoint
-from run.plan import RUN_LOCK, check_same_split, held_run_folders, hold_run_folder
+from run.folder_lock import RUN_LOCK, held_run_folders, hold_run_folder
+from run.plan import check_same_split
 from utils import UserError
 
 
@@ -119,8 +120,9 @@ def test_a_run_that_failed_before_its_first_epoch_ended_leaves_its_folder_to_the
 def test_the_lock_of_a_run_folder_ends_with_the_process_that_held_it(tmp_path):
     folder = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from run.plan import hold_run_folder; "
-         "hold_run_folder(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)", str(folder)],
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from run.folder_lock import "
+         "hold_run_folder; hold_run_folder(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)",
+         str(folder)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
