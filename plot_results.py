@@ -25,7 +25,10 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from utils import Parser, UserError, entry_point, read_json, read_json_lines, readable, write_atomically
+from read_back import read_json, read_json_lines
+
+# A class named in a script the figures' font lacks (Chinese, Korean, ...) or holding a control character is drawn
+from utils import Parser, UserError, entry_point, readable, write_atomically
 
 # A class named in a script the figures' font lacks (Chinese, Korean, ...) or holding a control character is drawn
 # as boxes; said once a character by matplotlib, every epoch, that would bury the run's own lines. (A filter set

@@ -28,7 +28,8 @@ from filelock import FileLock
 
 import dataset.images
 from dataset.folders import relative_posix
-from utils import UserError, misfits, read_json, warn, write_atomically
+from read_back import misfits, read_json
+from utils import UserError, warn, write_atomically
 
 CHECKED_IMAGES = "checked_images.json"  # in a run's folder: the verdicts
 CHECK_LOCK = ".checked_images.lock"  # in a run's folder: held by the rank that is checking images

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
-from utils import NUMBER, UserError, in_brief, misfits, safe_load, write_atomically
+from read_back import NUMBER, misfits, safe_load
+from utils import UserError, in_brief, write_atomically
 
 CHECKPOINT_NAME = "checkpoint.pth"
 CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args"}
-# What each entry of a checkpoint holds (utils.misfits' shapes): what training_state writes, and what
+# What each entry of a checkpoint holds (read_back.misfits' shapes): what training_state writes, and what
 # stop_and_resume's save_step adds ("midway"); a run's record ("args") with its split (split_fingerprint's).
 SPLIT = {"train_images": int, "train_sha256": str, "val_images": int, "val_sha256": str}
 CHECKPOINT_SHAPE = {

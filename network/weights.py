@@ -23,7 +23,10 @@ from network.architectures import (
     head_names,
     is_timm,
 )
-from utils import UserError, safe_load
+from read_back import safe_load
+
+# torch.hub sets no timeout of its own, so a network that drops packets would hang the download for minutes (a
+from utils import UserError
 
 # torch.hub sets no timeout of its own, so a network that drops packets would hang the download for minutes (a
 # stalled read, for ever). This bounds each connection attempt and each read; pip's default is the same.

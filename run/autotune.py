@@ -56,6 +56,7 @@ from multi_train_utils.distributed_utils import (
 )
 from multi_train_utils.memory import OutOfMemory, largest_that_fits, memory_limited, pass_fits
 from multi_train_utils.stop_and_resume import ignore_stop_signals
+from read_back import NUMBER, misfits, read_json
 from recipe.loss import Objective
 from recipe.precision import AMP_DTYPES, Compute, amp_flag, choose_compute, short_name, summary
 from run.batches import (
@@ -66,7 +67,9 @@ from run.batches import (
     steps_per_epoch,
 )
 from run.plan import note_inexact_resume
-from utils import NUMBER, OutputError, UserError, misfits, read_json, warn, write_json
+
+# Where the choices are kept (a file path), instead of the user's cache folder: for tests, or a shared disk.
+from utils import OutputError, UserError, warn, write_json
 
 # Where the choices are kept (a file path), instead of the user's cache folder: for tests, or a shared disk.
 CACHE_ENV = "FLOWERS_AUTOTUNE_CACHE"
@@ -102,7 +105,7 @@ class Choice:
         return Compute(AMP_DTYPES[self.amp], self.channels_last, self.micro_batch, self.batches == "device")
 
 
-# A remembered choice in the cache file, as remember() writes it (utils.misfits' shapes)
+# A remembered choice in the cache file, as remember() writes it (read_back.misfits' shapes)
 CHOICE_SHAPE = {"amp": str, "channels_last": bool, "workers": int, "micro_batch": (int, type(None)),
                 "measured": dict, "load_ms": (NUMBER, type(None)), "seconds": NUMBER, "date": str,
                 "lines": list, "batches": str}  # fmt: skip

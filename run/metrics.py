@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from utils import advice, read_json_lines, write_atomically
+from read_back import advice, read_json_lines
+from utils import write_atomically
 
 METRICS_NAME = "metrics.jsonl"  # in a run's folder: a line per epoch
 

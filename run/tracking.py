@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 
 from machine import describe_cpu, physical_memory
+from read_back import misfits, read_json
 from recipe.config import Config
 from run.metrics import epoch_accuracy
-from utils import UserError, in_brief, misfits, read_json, warn, write_json
+from utils import UserError, in_brief, warn, write_json
 
 TRACKED_RUN_NAME = "tracked_run.json"  # in a run's folder: {"tracking_uri": ..., "run_id": ...}
 EXPERIMENT = "flowers"  # the experiment a run is tracked in, unless MLFLOW_EXPERIMENT_NAME names another

@@ -20,9 +20,10 @@ from model import create_model, head_classes, load_weights, read_state_dict
 from multi_train_utils.checkpoint import CHECKPOINT_NAME
 from multi_train_utils.stop_and_resume import ignore_stop_signals
 from my_dataset import MyDataSet
+from read_back import advice, read_json, safe_load
 from recipe.config import Config
 from recipe.precision import Compute, choose_compute
-from utils import UserError, advice, number, positive_int, read_json, safe_load, warn
+from utils import UserError, number, positive_int, warn
 
 
 @dataclass

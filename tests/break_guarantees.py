@@ -166,7 +166,7 @@ BREAKS = [
      "    if finished or found and resume is not None:\n", "    if False:\n",
      "tests/test_run_folder.py::"
      "test_a_resume_into_another_runs_folder_is_refused_and_one_into_a_new_folder_leaves_its_own_run_alone"),
-    ("13g a checkpoint's CRC-32s unchecked", "utils.py",
+    ("13g a checkpoint's CRC-32s unchecked", "read_back.py",
      "damage = damaged_record(path) if start.startswith(ZIP_MAGIC) else None", "damage = None",
      FR + "test_a_checkpoint_with_a_byte_flipped_is_refused_or_loads_the_saved_tensors"),
     ("13h a resume's micro-batch change unsaid", "run/plan.py",

@@ -32,6 +32,7 @@ from model import create_model
 from multi_train_utils.checkpoint import load_checkpoint, save_atomically, training_state
 from multi_train_utils.stop_and_resume import resume_from
 from multi_train_utils.train_eval_utils import Training
+from read_back import safe_load
 from recipe.config import Config
 from recipe.optimizer import build_optimizer
 from run import autotune
@@ -41,7 +42,7 @@ from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before
 from run.plan import prepare
 from run.tracking import TRACKED_RUN_NAME, read_tracked_run
 from run.trained import load_trained_model
-from utils import UserError, safe_load, write_json
+from utils import UserError, write_json
 
 pytestmark = pytest.mark.fast
 CPU = torch.device("cpu")
