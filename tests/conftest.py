@@ -29,7 +29,6 @@ sys.path.insert(0, str(ROOT))
 
 from dataset.demo import make_demo_data  # noqa: E402
 from machine import available_cores, cpu_bfloat16  # noqa: E402
-from run.autotune import CACHE_ENV  # noqa: E402
 
 # What auto would measure (run/autotune.py), pinned, so that no test run spends time measuring unless it
 # tests measuring: the precision and layout the suite has always trained in (bfloat16 where the CPU computes it
@@ -388,6 +387,8 @@ def pytest_configure(config):
 def autotune_cache_of_this_session(tmp_path_factory):
     """What a run measures (in the tests of measuring) is kept in this session's folder, never in the user's cache;
     every script a test starts inherits the setting."""
+    from run.autotune import CACHE_ENV  # here: xdist's controller, which loads this file too, imports no model
+
     os.environ[CACHE_ENV] = str(tmp_path_factory.getbasetemp() / "autotune.json")
 
 

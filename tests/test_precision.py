@@ -69,7 +69,7 @@ def test_an_8_bit_batch_arrives_normalised_in_the_layout_asked_for():
 @pytest.mark.fast
 def test_bfloat16_evaluation_agrees_with_float32_on_nearly_every_image():
     torch.manual_seed(0)
-    model = model_as_trained(5)[0]
+    model = model_as_trained(5, model="resnet18")[0]  # ResNet-34's layers, in half the depth
     batches = fixed_batches(1, batch=32)
     # A network that has seen some data, so that its predictions are not all near-ties.
     train_one_epoch(Training(model, torch.optim.SGD(model.parameters(), lr=0.01)), fixed_batches(3, batch=32), CPU, 0)
@@ -81,7 +81,7 @@ def test_bfloat16_evaluation_agrees_with_float32_on_nearly_every_image():
 
 @pytest.mark.fast
 def test_compile_wraps_the_model_and_saves_plain_names():
-    model, plain = model_as_trained(5, compile=True)  # compiles lazily: nothing is compiled here
+    model, plain = model_as_trained(5, compile=True, model="resnet18")  # compiles lazily: nothing is compiled here
     assert hasattr(model, "_orig_mod") and model._orig_mod is plain
     assert not any(name.startswith(("_orig_mod.", "module.")) for name in plain.state_dict())
 
