@@ -161,6 +161,9 @@ def test_the_same_seed_gives_bitwise_identical_weights_and_another_seed_does_not
     assert metrics_without_timings(again) == metrics_without_timings(reference_run)
     other = train("other", *REFERENCE_FLAGS, "--seed", "1")
     assert not torch.equal(final_weights(reference_run)["fc.weight"], final_weights(other)["fc.weight"])
+    # The loader's path too (each image cropped and flipped in the loader, from a seed of its own), twice
+    first, second = (train(name, *REFERENCE_FLAGS, "--epochs", "2", "--batches", "loader") for name in ("l0", "l1"))
+    assert all(torch.equal(final_weights(first)[k], final_weights(second)[k]) for k in expected)
 
 
 def test_launch_script_started_without_a_launcher_trains_in_one_process(tiny_data, tmp_path):
