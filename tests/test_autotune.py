@@ -330,15 +330,16 @@ def test_a_loader_worker_is_timed_as_it_delivers_batches_so_a_slower_collation_s
     tiny_data, monkeypatch
 ):
     """time_loading runs one real loader worker: what it does besides cropping (collating a batch, shipping it)
-    counts. A collation made 20 ms a batch slower (substituted) is measured so, and on a GPU auto starts more
-    workers to keep ahead of the same step."""
+    counts. A collation made 50 ms a batch slower (substituted) is measured so, and on a GPU auto starts more
+    workers to keep ahead of the same step. (20 ms, within 10 %, failed once on a loaded 2-core CI machine: the
+    difference measured was 2.22 ms an image against 2.25 asked; a timing's noise is not what this checks.)"""
     train_set = datasets(read_split_data(tiny_data), Config(img_size=32, batch_size=8))[0]
     quick = autotune.time_loading(train_set, 8)
     collate = torch.utils.data._utils.collate.default_collate
     monkeypatch.setattr(
-        torch.utils.data._utils.collate, "default_collate", lambda batch: time.sleep(0.02) or collate(batch)
+        torch.utils.data._utils.collate, "default_collate", lambda batch: time.sleep(0.05) or collate(batch)
     )
     slow = autotune.time_loading(train_set, 8)
-    assert slow >= quick + 0.9 * 0.02 / 8
+    assert slow >= quick + 0.8 * 0.05 / 8  # 6.25 ms an image more, 5 asked
     gpu, step = torch.device("cuda"), 0.0005  # a GPU step of 0.5 ms an image; 16 cores
     assert autotune.choose_workers(gpu, 16, step, slow)[0] > autotune.choose_workers(gpu, 16, step, quick)[0]

@@ -346,10 +346,13 @@ def in_fresh_process(name: str, target, *args) -> dict:
     """What `target(queue, *args)` puts on the queue, run in a new process: no warm caches, no memory or threads
     left over from another row. Each is forked from multiprocessing's forkserver, a process that has imported this
     module (torch and torchvision with it) and run nothing, so a row does not spend seconds importing them anew."""
-    context = multiprocessing.get_context("forkserver")
-    # Preloaded by its name: "__main__" is not (Python 3.11's forkserver drops the script's path from what it is
-    # given), and each row then imported torch anew. Takes effect when the server starts, with the first row.
-    context.set_forkserver_preload(["tools.benchmark"])
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        # Preloaded by its name: "__main__" is not (Python 3.11's forkserver drops the script's path from what it
+        # is given), and each row then imported torch anew. Takes effect when the server starts, with the first row.
+        context.set_forkserver_preload(["tools.benchmark"])
+    else:  # Windows has no fork server: each row a new interpreter
+        context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     process = context.Process(target=target, args=(queue, *args))
     process.start()
