@@ -26,8 +26,6 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from read_back import read_json, read_json_lines
-
-# A class named in a script the figures' font lacks (Chinese, Korean, ...) or holding a control character is drawn
 from utils import Parser, UserError, entry_point, readable, write_atomically
 
 # A class named in a script the figures' font lacks (Chinese, Korean, ...) or holding a control character is drawn

@@ -24,8 +24,6 @@ from network.architectures import (
     is_timm,
 )
 from read_back import safe_load
-
-# torch.hub sets no timeout of its own, so a network that drops packets would hang the download for minutes (a
 from utils import UserError
 
 # torch.hub sets no timeout of its own, so a network that drops packets would hang the download for minutes (a

@@ -67,8 +67,6 @@ from run.batches import (
     steps_per_epoch,
 )
 from run.plan import note_inexact_resume
-
-# Where the choices are kept (a file path), instead of the user's cache folder: for tests, or a shared disk.
 from utils import OutputError, UserError, warn, write_json
 
 # Where the choices are kept (a file path), instead of the user's cache folder: for tests, or a shared disk.
