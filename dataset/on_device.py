@@ -5,9 +5,11 @@ batch; no loader processes, nothing copied to the device but the epoch's crop bo
 Training (TrainingBatches): the training images stand in one tensor on the device, each padded to the largest
 height and width (HeldImages). At each epoch's start, every image of this process's shard gets its crop box and
 flip, exactly as the loader's RandomResizedCrop and RandomHorizontalFlip would draw them from its seed
-(dataset/crop_boxes.py: the same integers). A batch is then the images gathered by index, resampled to the crop
-size by two batched matrix products (resized_crops: the weights of torch's antialiased bilinear interpolation,
-rows then columns; a flip is the column weights in reverse), and normalised in the step's memory layout.
+(dataset/crop_boxes.py: the same integers). On a GPU a batch is then the images gathered by index, resampled to
+the crop size by two batched matrix products (resampled_by_matrices: the weights of torch's antialiased bilinear
+interpolation, rows then columns; a flip is the column weights in reverse), and normalised in the step's memory
+layout. On the CPU each image is cropped by the loader's own call, torchvision's resized_crop on its 8-bit pixels
+(one call an image is the fastest there): the CPU's batches are the loader's, bitwise, made without its processes.
 
 Validation (ValidationBatches): this process's validation images resized and centre-cropped once, at the start, by
 the validation transform itself (the same pixels as the loader's), kept on the device; a batch is a slice, as 8-bit
@@ -108,8 +110,8 @@ class TrainingBatches:
     """The training batches of `batch_sampler` (a SeededBatchSampler: lists of (index, seed)) of `dataset` (a
     SeededSamples), made on `device` from its images held there (HeldImages: `held`, or all of them, held now) by
     its own crop and flip (its transform's RandomResizedCrop and RandomHorizontalFlip, as they would draw), square
-    at the crop's size, normalised, in `memory_format`. Batches are (images on the device, labels in host
-    memory)."""
+    at the crop's size: on a GPU normalised, in `memory_format`; on the CPU 8-bit, as the loader's. Batches are
+    (images on the device, labels in host memory)."""
 
     def __init__(self, dataset, batch_sampler, device, memory_format=torch.contiguous_format, held=None):
         self.dataset, self.batch_sampler, self.memory_format = dataset, batch_sampler, memory_format
@@ -150,12 +152,14 @@ class TrainingBatches:
         return self.crops(plan), labels
 
     def crops(self, rows: torch.Tensor) -> torch.Tensor:
-        """The batch of `rows` (index, top, left, height, width, flip; on the device), normalised."""
+        """The batch of `rows` (index, top, left, height, width, flip; on the device): normalised on a GPU, 8-bit
+        on the CPU (the loader's pixels, which the loop normalises as it does the loader's)."""
         index, top, left, height, width, flipped = rows.unbind(1)
         pixels = resized_crops(
             self.held.pixels, self.held.taps, index, top, left, height, width, flipped.bool(), self.size
         )
-        return normalise_pixels(pixels, self.memory_format)
+        # 8-bit crops (the CPU's) go to the loop as the loader's batches do, normalised there as theirs are
+        return pixels if pixels.dtype == torch.uint8 else normalise_pixels(pixels, self.memory_format)
 
 
 def crop_and_flip(transform: v2.Compose) -> tuple[v2.RandomResizedCrop, v2.RandomHorizontalFlip]:
@@ -173,9 +177,26 @@ def crop_and_flip(transform: v2.Compose) -> tuple[v2.RandomResizedCrop, v2.Rando
 
 def resized_crops(pixels, taps: int, index, top, left, height, width, flipped, size: int) -> torch.Tensor:
     """Images `index` of `pixels` (HeldImages.pixels, padded by `taps`), each its box (top, left, height, width)
-    resized to `size` x `size` with antialiasing, as torch's interpolate(mode="bilinear", antialias=True) resizes
-    the cropped image (torchvision's resized_crop), and flipped left to right where `flipped`: (images, 3, size,
-    size), pixel values 0-255, in float16 on a GPU (float32 on the CPU).
+    resized to `size` x `size` with antialiasing and flipped left to right where `flipped`: (images, 3, size,
+    size). The way measured fastest on each kind of device (docs/performance.md, Batches made on the device):
+
+    - on the CPU, torchvision's resized_crop on each image's 8-bit pixels, the loader's own call: 8-bit crops,
+      the loader's bitwise, which the loop normalises as it normalises the loader's;
+    - elsewhere (a GPU), resampled_by_matrices: a few operations for the whole batch, where one call an image
+      would be hundreds of kernels launched by the host."""
+    if pixels.device.type != "cpu":
+        return resampled_by_matrices(pixels, taps, index, top, left, height, width, flipped, size)
+    crops, boxes = [], torch.stack([top, left, height, width], 1).tolist()
+    for image, box, flip in zip(index.tolist(), boxes, flipped.tolist(), strict=True):
+        crop = v2.functional.resized_crop(pixels[image].permute(2, 0, 1), *box, [size, size], antialias=True)
+        crops.append(crop.flip(-1) if flip else crop)
+    return torch.stack(crops) if crops else torch.zeros((0, 3, size, size), dtype=torch.uint8)
+
+
+def resampled_by_matrices(pixels, taps: int, index, top, left, height, width, flipped, size: int) -> torch.Tensor:
+    """resized_crops as a GPU makes them: each box resized as torch's interpolate(mode="bilinear",
+    antialias=True) resizes the cropped image (torchvision's resized_crop), to within rounding of its 8-bit
+    result, pixel values 0-255 in float16 on a GPU (float32 elsewhere).
 
     Separable, as interpolate's antialiased filter is: the rows first (a matrix of weights per image, size x
     padded height, times the image), then the columns; two batched matrix products, whose weights are zero outside

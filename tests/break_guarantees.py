@@ -261,6 +261,9 @@ BREAKS = [
      "        self.held = hold(self.dataset.dataset, self.size, self.held.pixels.device)\n"
      "        batches = list(self.batch_sampler)  # this epoch's",
      NO_WAIT_STEP + "[off-channels-last-on-device]"),
+    ("16d the CPU's crops resampled otherwise than the loader's", "dataset/on_device.py",
+     "*box, [size, size], antialias=True)", "*box, [size, size], antialias=False)",
+     OD + "test_the_cpus_training_batches_made_on_the_device_are_the_loaders_bitwise"),
 ]  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Batches made on the device (dataset/on_device.py, --batches device) are the loader's batches: the same crop boxes
-and flips, drawn from the same seeds (the same integers); the same resampling, to rounding; the same validation
-pixels; and on N ranks the shards of one process's global batch. On the CPU (the same code runs on a GPU: the
-host-sync tests run it on fake CUDA, tests/test_gpu.py on a real one)."""
+and flips, drawn from the same seeds (the same integers); the same resampling, to rounding on a GPU (its matrices,
+run here on the CPU) and bitwise on the CPU; the same validation pixels; and on N ranks the shards of one process's
+global batch. On the CPU (the same code runs on a GPU: the host-sync tests run it on fake CUDA, tests/test_gpu.py on
+a real one)."""
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from wiring import loaders
 import dataset.on_device as on_device
 from dataset.crop_boxes import draw, drawn_by_the_transforms
 from dataset.folders import read_split_data
-from dataset.on_device import resampling_taps, resized_crops
+from dataset.on_device import resampled_by_matrices, resampling_taps
 from dataset.sampling import sample_seed, sample_seeds
 from recipe.precision import Compute
 from run.batches import choose_batches
@@ -95,6 +96,24 @@ def test_each_epochs_boxes_and_flips_on_the_device_are_the_loaders_integers(tiny
         assert made["loader"][0] != made["loader"][1]  # a new epoch, new boxes
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_cpus_training_batches_made_on_the_device_are_the_loaders_bitwise(tiny_data, world_size):
+    """On the CPU each image is cropped by the loader's own call: its 8-bit batches, normalised by the loop in
+    either layout, are the loader's bit for bit (so a run's batches do not depend on --batches there)."""
+    split = read_split_data(tiny_data)
+    for rank in range(world_size):
+        made = [
+            loaders(split, 32, 4, 3, world_size=world_size, rank=rank, compute=c)[0] for c in (BY_LOADER, ON_DEVICE)
+        ]
+        for epoch in (0, 1):
+            for loader in made:
+                loader.batch_sampler.set_epoch(epoch)
+            for (a, labels_a), (b, labels_b) in zip(*made, strict=True):
+                assert a.dtype == b.dtype == torch.uint8 and torch.equal(a, b) and torch.equal(labels_a, labels_b)
+                for layout in (Compute(), Compute(channels_last=True)):
+                    assert torch.equal(layout.batch_to(a, "cpu"), layout.batch_to(b, "cpu"))
+
+
 def photo_like(count: int, height: int, width: int, generator) -> torch.Tensor:
     """`count` 8-bit images with the smooth shapes and the grain of photos (what resampling meets)."""
     coarse = torch.rand(count, 3, height // 8 + 1, width // 8 + 1, generator=generator) * 255
@@ -102,9 +121,9 @@ def photo_like(count: int, height: int, width: int, generator) -> torch.Tensor:
     return (smooth + torch.randn(count, 3, height, width, generator=generator) * 20).clamp(0, 255).round().byte()
 
 
-def test_crops_resampled_on_the_device_are_torchvisions_resized_crop_to_rounding(capsys):
+def test_crops_resampled_by_a_gpus_matrices_are_torchvisions_resized_crop_to_rounding(capsys):
     """The same boxes, through torchvision's resized_crop(antialias=True) on 8-bit images (the loader's) and through
-    resized_crops: shrinking, enlarging and flipping, to within rounding of the 8-bit result."""
+    resampled_by_matrices (a GPU's way): shrinking, enlarging and flipping, to within rounding of the 8-bit result."""
     generator, size, height, width = torch.Generator().manual_seed(0), 48, 75, 100
     images = photo_like(12, height, width, generator)
     taps = resampling_taps(max(height, width), size)
@@ -114,7 +133,8 @@ def test_crops_resampled_on_the_device_are_torchvisions_resized_crop_to_rounding
     box_h, box_w = rng.integers(5, height + 1, 48), rng.integers(5, width + 1, 48)
     top, left = rng.integers(0, height - box_h + 1), rng.integers(0, width - box_w + 1)
     flipped, index = rng.random(48) < 0.5, np.arange(48) % len(images)
-    ours = resized_crops(held, taps, *map(torch.from_numpy, (index, top, left, box_h, box_w, flipped)), size)
+    box = map(torch.from_numpy, (index, top, left, box_h, box_w, flipped))
+    ours = resampled_by_matrices(held, taps, *box, size)
     differences = []
     for i in range(48):
         theirs = F.resized_crop(images[index[i]], *map(int, (top[i], left[i], box_h[i], box_w[i])), [size, size])
@@ -123,7 +143,7 @@ def test_crops_resampled_on_the_device_are_torchvisions_resized_crop_to_rounding
     difference = torch.cat(differences)
     mean, p99, most = difference.mean().item(), difference.quantile(0.99).item(), difference.max().item()
     with capsys.disabled():
-        print(f"\nresized_crops against resized_crop, in levels of 255: mean {mean:.3f}, 99th percentile {p99:.3f}")
+        print(f"\nthe matrices against resized_crop, in levels of 255: mean {mean:.3f}, 99th percentile {p99:.3f}")
     assert mean <= 0.5 and p99 <= 1.0 and most <= 1.5  # the 8-bit result's own rounding is up to 0.5
 
 

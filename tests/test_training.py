@@ -155,15 +155,16 @@ def test_the_same_seed_gives_bitwise_identical_weights_and_another_seed_does_not
         assert result.returncode == 0, result.stderr
         return tmp_path / name
 
-    again = train("again", *REFERENCE_FLAGS)  # the reference run's flags, seed 0 included
+    # Again, the batches made by the loader this time (each image cropped and flipped in the loader, from a seed of
+    # its own), where the reference run made them on the device: on the CPU both are the same bytes, so anything
+    # either path drew from elsewhere than the seed (the clock, a generator left as it was) would show here.
+    again = train("again", *REFERENCE_FLAGS, "--batches", "loader")  # the reference run's flags, seed 0 included
     expected, weights = final_weights(reference_run), final_weights(again)
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
     assert metrics_without_timings(again) == metrics_without_timings(reference_run)
-    other = train("other", *REFERENCE_FLAGS, "--seed", "1")
-    assert not torch.equal(final_weights(reference_run)["fc.weight"], final_weights(other)["fc.weight"])
-    # The loader's path too (each image cropped and flipped in the loader, from a seed of its own), twice
-    first, second = (train(name, *REFERENCE_FLAGS, "--epochs", "2", "--batches", "loader") for name in ("l0", "l1"))
-    assert all(torch.equal(final_weights(first)[k], final_weights(second)[k]) for k in expected)
+    other = train("other", *REFERENCE_FLAGS, "--seed", "1", "--epochs", "1")  # its first epoch is another already
+    first_epoch = metrics_without_timings(reference_run)[0]
+    assert metrics_without_timings(other)[0]["train_loss"] != first_epoch["train_loss"]
 
 
 def test_launch_script_started_without_a_launcher_trains_in_one_process(tiny_data, tmp_path):

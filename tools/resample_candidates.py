@@ -9,9 +9,11 @@ antialiasing, half of them flipped; its time is the best of 5 after one untimed 
 its fidelity the mean and 99th percentile of its absolute difference, in levels of 255, from torchvision's
 resized_crop(antialias=True) of the same 8-bit image (the loader's).
 
-- matrices: dataset/on_device.py's resized_crops, two batched matrix products with interpolate's antialiased
-  weights (what the scripts use);
-- per image: torch's interpolate(mode="bilinear", antialias=True) on each crop, one call per image;
+- matrices: dataset/on_device.py's resampled_by_matrices, two batched matrix products with interpolate's antialiased
+  weights (what the scripts use on a GPU);
+- per image: torch's interpolate(mode="bilinear", antialias=True) on each crop, one call per image, in float32;
+- per image, 8-bit: torchvision's resized_crop on each image's 8-bit pixels (the loader's call, and dataset/
+  on_device.py's resized_crops on the CPU: the reference itself, so its difference is 0);
 - roi_align: torchvision.ops.roi_align over the padded batch with adaptive sampling (sampling_ratio=-1, an average
   of bilinear samples in each output pixel's bin: another filter than the antialiased one), float32.
 """
@@ -28,7 +30,7 @@ from torchvision.transforms.v2 import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dataset.on_device import resampling_taps, resized_crops  # noqa: E402
+from dataset.on_device import resampled_by_matrices, resampling_taps, resized_crops  # noqa: E402
 
 HEIGHT, WIDTH = 375, 500
 
@@ -48,7 +50,7 @@ def candidates(images: torch.Tensor, held: torch.Tensor, taps: int, box: torch.T
     index = torch.arange(len(box), device=held.device) % len(images)
 
     def matrices():
-        return resized_crops(held, taps, index, *box.unbind(1), flips, size)
+        return resampled_by_matrices(held, taps, index, *box.unbind(1), flips, size)
 
     def per_image():
         out = []
@@ -58,13 +60,17 @@ def candidates(images: torch.Tensor, held: torch.Tensor, taps: int, box: torch.T
             out.append(resized.flip(-1) if flips[i] else resized)
         return torch.cat(out)
 
+    def per_image_8_bit():
+        return resized_crops(held, taps, index, *box.unbind(1), flips, size)
+
     def aligned():
         top, left, height, width = box.float().unbind(1)
         rois = torch.stack([index.float(), left, top, left + width, top + height], dim=1)
         out = roi_align(images.float(), rois, (size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
         return torch.where(flips[:, None, None, None], out.flip(-1), out)
 
-    return {"matrices": matrices, "per image": per_image, "roi_align": aligned}
+    made = {"matrices": matrices, "per image": per_image, "per image, 8-bit": per_image_8_bit, "roi_align": aligned}
+    return made if held.device.type == "cpu" else {name: make for name, make in made.items() if "8-bit" not in name}
 
 
 def main(argv=None):
@@ -105,7 +111,7 @@ def main(argv=None):
         difference = (out.float().cpu() - reference).abs().flatten()
         sample = difference[torch.randperm(len(difference), generator=generator)[:1_000_000]]
         print(
-            f"  {name:10s} {min(seconds) * 1000 / args.batch_size:8.3f} ms an image; against resized_crop: mean "
+            f"  {name:16s} {min(seconds) * 1000 / args.batch_size:8.3f} ms an image; against resized_crop: mean "
             f"{difference.mean():.3f}, 99th percentile {sample.quantile(0.99):.3f} levels of 255"
         )
 
