@@ -39,7 +39,7 @@ PINNED = [*PINNED_COMPUTE, "--workers", "0", "--batches", "device"]
 # Settings that make a training run take seconds: tiny images, small batches, nothing measured, and ResNet-18:
 # what the runs test (launching, resuming, failing, seeding) does not depend on the network's depth, and ResNet-34's
 # 85 MB of weights make every checkpoint, optimizer step and gradient all-reduce twice as long. The tests that are
-# about ResNet-34 itself (tests/test_model.py, test_equivalence.py, the GPU tests) build it as the scripts do.
+# about ResNet-34 itself (tests/test_model.py, the GPU tests) build it as the scripts do.
 SMALL_MODEL = ["--model", "resnet18"]
 FAST = ["--img-size", "32", "--batch-size", "8", *SMALL_MODEL, *PINNED]
 FAULTS = ROOT / "tests" / "fault_injection"

@@ -19,7 +19,7 @@ import pytest
 import torch
 from spawn_world import spawn_world
 from torch import nn
-from torchvision.models import resnet34
+from torchvision.models import resnet18
 from wiring import loaders, model_as_trained
 
 import model as model_module
@@ -33,6 +33,10 @@ from recipe.optimizer import build_optimizer
 from run.plan import per_process_recipe
 from utils import UserError
 
+# ResNet-18: the default ResNet-34's blocks, convolutions and BatchNorm layers, built by the same create_model, in
+# half the depth. What is compared (gradients averaged, statistics synchronised, rates scaled) does not depend on
+# how many blocks repeat, and in float64 the deeper network made every comparison twice as long.
+NETWORK = "resnet18"
 B = 4  # images per rank per step
 SIZE = 32  # in float64 the steps agree to 4e-13 at 32 px too (1e-14 at 64), at a quarter of the work
 # --lr of the DDP run: world size 2 trains at 0.001 (the scripts' default scale), as one process with --lr 0.001
@@ -56,8 +60,8 @@ def global_batches(steps):
 
 
 def group_norm_resnet(num_classes, name=None):
-    """ResNet-34 whose normalisation uses each image alone (GroupNorm): no statistic crosses samples."""
-    return resnet34(num_classes=num_classes, norm_layer=lambda channels: nn.GroupNorm(8, channels))
+    """NETWORK whose normalisation uses each image alone (GroupNorm): no statistic crosses samples."""
+    return resnet18(num_classes=num_classes, norm_layer=lambda channels: nn.GroupNorm(8, channels))
 
 
 # The networks compared, each trained the same few steps both ways: (SyncBN, per-image normalisation).
@@ -73,10 +77,10 @@ def _train_variants(rank, world_size, lr, result_path):
     results = {}
     for name, (sync_bn, per_sample_norm) in VARIANTS.items():
         with mock.patch.object(model_module, "create_model", group_norm_resnet if per_sample_norm else create_model):
-            model, bare = model_as_trained(5, sync_bn=sync_bn, distributed=world_size > 1)
+            model, bare = model_as_trained(5, sync_bn=sync_bn, distributed=world_size > 1, model=NETWORK)
         # the rate the scripts use: --lr times the world size
         optimizer, _ = build_optimizer(model, Config(lr=lr, **RECIPE), 1, world_size=world_size)
-        # Kept for the comparisons alone (each state is a float64 ResNet-34, 170 MB to save and load): the initial
+        # Kept for the comparisons alone (each state is a float64 ResNet-18, 90 MB to save and load): the initial
         # weights of the single process, which the tests check the steps moved; the state after the first step
         # of the SyncBN network, which they compare then too.
         result = {"initial": snapshot(bare)} if world_size == 1 else {}
@@ -196,7 +200,7 @@ def _train_accumulated(rank, world_size, lr, result_path):
         images, labels, half = images[rows], labels[rows], B // world_size
         micro_batches += [(images[:half], labels[:half]), (images[half:], labels[half:])]
     with mock.patch.object(model_module, "create_model", group_norm_resnet):
-        model, bare = model_as_trained(5, distributed=world_size > 1)
+        model, bare = model_as_trained(5, distributed=world_size > 1, model=NETWORK)
     optimizer, _ = build_optimizer(model, Config(lr=lr, accumulate=2, **RECIPE), 1, world_size=world_size)
     loss, images = train_one_epoch(Training(model, optimizer, accumulate=2), micro_batches, "cpu", 0)
     if rank == 0:
@@ -229,7 +233,7 @@ def _resize_legs(rank, world_size, config: Config, legs: list[tuple]):
     rows = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
     batches = [(x[rows], y[rows]) for x, y in global_batches(STEPS)]
     for checkpoint, result_path in legs:
-        model, bare = model_as_trained(5, sync_bn=True, distributed=world_size > 1)
+        model, bare = model_as_trained(5, sync_bn=True, distributed=world_size > 1, model=NETWORK)
         training = Training(model, *build_optimizer(model, config, 1, world_size=world_size))
         if checkpoint.exists():
             restore(torch.load(checkpoint, weights_only=True), bare, training)

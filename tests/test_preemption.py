@@ -48,7 +48,9 @@ def resume(script: str, flags: tuple, out, stopped) -> tuple:
     name, launcher, script_flags = SCRIPTS[script]
     state = load_checkpoint(out / "checkpoint.pth")  # whole, though a second signal came while it was written
     assert not list(out.glob(".*.tmp"))
-    resumed = run_script(name, *flags, *script_flags, "--output-dir", out, "--auto-resume", launcher=launcher)
+    command = (name, *flags, *script_flags, "--output-dir", out, "--auto-resume")
+    # one process resumes in this one (the stop needed a process of its own; its resumption does not)
+    resumed = run_script(*command, launcher=launcher) if launcher or script_flags else run_here(*command)
     assert resumed.returncode == 0, resumed.stderr
     return stopped, state, resumed
 
