@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import FAST, PINNED, assert_user_error, run_script
+from conftest import FAST, PINNED, assert_user_error, run_here
 from torchvision.models import mobilenet_v3_small
 
 from dataset.folders import write_class_indices
@@ -26,8 +26,8 @@ def data_with_bad_images(tiny_data, tmp_path):
 
 
 def test_unreadable_images_are_skipped_with_one_warning_naming_them(data_with_bad_images, tmp_path):
-    result = run_script("train_single_gpu.py", "--data-path", data_with_bad_images, "--epochs", "1",
-                        "--output-dir", tmp_path / "run", *FAST)  # fmt: skip
+    result = run_here("train_single_gpu.py", "--data-path", data_with_bad_images, "--epochs", "1",
+                      "--output-dir", tmp_path / "run", *FAST)  # fmt: skip
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "truncated.jpg" in warnings[0] and "notes.JPG" in warnings[0]
