@@ -50,7 +50,7 @@ def resume(script: str, flags: tuple, out, stopped) -> tuple:
     assert not list(out.glob(".*.tmp"))
     command = (name, *flags, *script_flags, "--output-dir", out, "--auto-resume")
     # one process resumes in this one (the stop needed a process of its own; its resumption does not)
-    resumed = run_script(*command, launcher=launcher) if launcher or script_flags else run_here(*command)
+    resumed = run_here(*command) if script == "one process" else run_script(*command, launcher=launcher)
     assert resumed.returncode == 0, resumed.stderr
     return stopped, state, resumed
 

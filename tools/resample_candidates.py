@@ -69,8 +69,10 @@ def candidates(images: torch.Tensor, held: torch.Tensor, taps: int, box: torch.T
         out = roi_align(images.float(), rois, (size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
         return torch.where(flips[:, None, None, None], out.flip(-1), out)
 
-    made = {"matrices": matrices, "per image": per_image, "per image, 8-bit": per_image_8_bit, "roi_align": aligned}
-    return made if held.device.type == "cpu" else {name: make for name, make in made.items() if "8-bit" not in name}
+    made = {"matrices": matrices, "per image": per_image, "roi_align": aligned}
+    if held.device.type == "cpu":  # elsewhere resized_crops is the matrices
+        made["per image, 8-bit"] = per_image_8_bit
+    return made
 
 
 def main(argv=None):
