@@ -19,12 +19,11 @@ import pytest
 import torch
 from spawn_world import spawn_world
 from torch import nn
-from torchvision.models import resnet18
+from torchvision.models.resnet import BasicBlock, ResNet
 from wiring import loaders, model_as_trained
 
 import model as model_module
 from dataset.folders import read_split_data
-from model import create_model
 from multi_train_utils.checkpoint import restore, training_state
 from multi_train_utils.distributed_utils import reduce_value
 from multi_train_utils.train_eval_utils import Training, train_one_epoch
@@ -33,10 +32,11 @@ from recipe.optimizer import build_optimizer
 from run.plan import per_process_recipe
 from utils import UserError
 
-# ResNet-18: the default ResNet-34's blocks, convolutions and BatchNorm layers, built by the same create_model, in
-# half the depth. What is compared (gradients averaged, statistics synchronised, rates scaled) does not depend on
-# how many blocks repeat, and in float64 the deeper network made every comparison twice as long.
-NETWORK = "resnet18"
+# A ResNet of one block a stage, resnet10 below: the default ResNet-34's kinds of layer (convolutions, BatchNorm, the
+# shortcuts' downsampling, the head), built by torchvision's ResNet class as --model resnet18 builds it, with one
+# block where ResNet-34 repeats 3 to 6. What is compared (gradients averaged, statistics synchronised, rates scaled)
+# does not depend on how many blocks repeat, and in float64 each repeat makes every comparison longer.
+NETWORK = "resnet18"  # the name the scripts' wiring is given; create_model builds resnet10 in its place
 B = 4  # images per rank per step
 SIZE = 32  # in float64 the steps agree to 4e-13 at 32 px too (1e-14 at 64), at a quarter of the work
 # --lr of the DDP run: world size 2 trains at 0.001 (the scripts' default scale), as one process with --lr 0.001
@@ -59,9 +59,15 @@ def global_batches(steps):
     ]
 
 
-def group_norm_resnet(num_classes, name=None):
-    """NETWORK whose normalisation uses each image alone (GroupNorm): no statistic crosses samples."""
-    return resnet18(num_classes=num_classes, norm_layer=lambda channels: nn.GroupNorm(8, channels))
+def resnet10(num_classes, name=None, norm_layer=None):
+    """A ResNet of one block a stage (torchvision's ResNet class, as --model resnet18 builds it, with half its
+    blocks): 4.9 M weights, half of ResNet-18's."""
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes, norm_layer=norm_layer)
+
+
+def group_norm_resnet10(num_classes, name=None):
+    """The same network normalising each image alone (GroupNorm): no statistic crosses images."""
+    return resnet10(num_classes, norm_layer=lambda channels: nn.GroupNorm(8, channels))
 
 
 # The networks compared, each trained the same few steps both ways: (SyncBN, per-image normalisation).
@@ -76,11 +82,11 @@ def _train_variants(rank, world_size, lr, result_path):
     batches = [(x[rows], y[rows]) for x, y in global_batches(STEPS)]
     results = {}
     for name, (sync_bn, per_sample_norm) in VARIANTS.items():
-        with mock.patch.object(model_module, "create_model", group_norm_resnet if per_sample_norm else create_model):
+        with mock.patch.object(model_module, "create_model", group_norm_resnet10 if per_sample_norm else resnet10):
             model, bare = model_as_trained(5, sync_bn=sync_bn, distributed=world_size > 1, model=NETWORK)
         # the rate the scripts use: --lr times the world size
         optimizer, _ = build_optimizer(model, Config(lr=lr, **RECIPE), 1, world_size=world_size)
-        # Kept for the comparisons alone (each state is a float64 ResNet-18, 90 MB to save and load): the initial
+        # Kept for the comparisons alone (each state is a float64 ResNet-10, 40 MB to save and load): the initial
         # weights of the single process, which the tests check the steps moved; the state after the first step
         # of the SyncBN network, which they compare then too.
         result = {"initial": snapshot(bare)} if world_size == 1 else {}
@@ -199,7 +205,7 @@ def _train_accumulated(rank, world_size, lr, result_path):
     for images, labels in global_batches(STEPS):
         images, labels, half = images[rows], labels[rows], B // world_size
         micro_batches += [(images[:half], labels[:half]), (images[half:], labels[half:])]
-    with mock.patch.object(model_module, "create_model", group_norm_resnet):
+    with mock.patch.object(model_module, "create_model", group_norm_resnet10):
         model, bare = model_as_trained(5, distributed=world_size > 1, model=NETWORK)
     optimizer, _ = build_optimizer(model, Config(lr=lr, accumulate=2, **RECIPE), 1, world_size=world_size)
     loss, images = train_one_epoch(Training(model, optimizer, accumulate=2), micro_batches, "cpu", 0)
@@ -233,7 +239,8 @@ def _resize_legs(rank, world_size, config: Config, legs: list[tuple]):
     rows = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
     batches = [(x[rows], y[rows]) for x, y in global_batches(STEPS)]
     for checkpoint, result_path in legs:
-        model, bare = model_as_trained(5, sync_bn=True, distributed=world_size > 1, model=NETWORK)
+        with mock.patch.object(model_module, "create_model", resnet10):
+            model, bare = model_as_trained(5, sync_bn=True, distributed=world_size > 1, model=NETWORK)
         training = Training(model, *build_optimizer(model, config, 1, world_size=world_size))
         if checkpoint.exists():
             restore(torch.load(checkpoint, weights_only=True), bare, training)

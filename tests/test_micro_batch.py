@@ -23,9 +23,7 @@ import pytest
 import torch
 from conftest import FAST, metrics_without_timings
 from spawn_world import spawn_world
-from test_equivalence import RECIPE, TOLERANCE, max_difference, snapshot
-from torch import nn
-from torchvision.models.resnet import BasicBlock, ResNet
+from test_equivalence import RECIPE, TOLERANCE, group_norm_resnet10, max_difference, resnet10, snapshot
 from wiring import model_as_trained
 
 import model as model_module
@@ -40,18 +38,6 @@ from run import autotune
 B, PIECE, SIZE, STEPS, LR = 4, 2, 16, 3, 0.0005  # a rank's batch, its micro-batch, pixels, batches, --lr
 ACCUMULATE = 2  # batches a step sums: with STEPS 3, a step of two batches (three backward passes in no_sync), then
 # the epoch's last of one
-
-
-def resnet10(num_classes, name=None, norm_layer=None):
-    """A ResNet of one block a stage (torchvision's ResNet class, as --model resnet18 builds it, with half its
-    blocks): the proofs do not depend on the depth, and its 4.9 M weights make every step, all-reduce and copy
-    of float64 weights half as long as ResNet-18's."""
-    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes, norm_layer=norm_layer)
-
-
-def group_norm_resnet10(num_classes, name=None):
-    """The same network normalising each image alone (GroupNorm): no statistic crosses images."""
-    return resnet10(num_classes, norm_layer=lambda channels: nn.GroupNorm(8, channels))
 
 
 def built_once(create):
