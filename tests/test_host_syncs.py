@@ -5,22 +5,25 @@ under torch.cuda.set_sync_debug_mode("error") where there is one.
 The step is the scripts' own: train_one_epoch and evaluate, the model, optimizer, scaler, loss and EMA built by
 train_single_gpu.py's statements (tests/wiring.py), SyncBatchNorm by the DDP scripts' converter. On fake CUDA an
 `.item()`, a boolean mask, a bincount or a CPU tensor mixed into a CUDA operation fails, and every copy between the
-host and the GPU that blocks is counted: an epoch of 4 steps must make no more of them than an epoch of 2 (what an
-epoch does once, like reading the validation counts at its end, is allowed; what a step does is not).
+host and the GPU that blocks is counted: an epoch of two optimizer steps must make no more of them than an epoch of
+one (what an epoch does once, like reading the validation counts at its end, is allowed; what a step does is not).
 """
 
 import collections
 import itertools
 import warnings
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 from fake_cuda import FakeCuda
+from test_equivalence import resnet10
 from torch import nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from wiring import model_as_trained, training_as_built
 
+import model as model_module
 import multi_train_utils.sync_batchnorm as sync_batchnorm
 from dataset.in_memory import DecodedImages
 from dataset.sampling import SeededSamples
@@ -84,13 +87,15 @@ def batches(count: int, size: int = 4, pixels: int = 32) -> Batches:
 
 
 def built(device: torch.device, amp: str, switches: dict):
-    """(the training, the unwrapped model, its Compute) for ResNet-18, as train_single_gpu.py builds them; with
-    sync_bn, its BatchNorm synchronised as in DDP."""
+    """(the training, the unwrapped model, its Compute) as train_single_gpu.py builds them, for a ResNet of one
+    block a stage (test_equivalence.resnet10: every kind of layer of --model resnet18, each op on fake tensors a
+    fraction of a millisecond); with sync_bn, its BatchNorm synchronised as in DDP."""
     switches = dict(switches)
     sync_bn, channels_last = switches.pop("sync_bn", False), switches.pop("channels_last", False)
     config = Config(model="resnet18", img_size=32, batch_size=4, epochs=4, weight_decay=1e-4, **switches)
     compute = Compute(AMP_DTYPES[amp], channels_last, config.micro_batch)  # 3 of 4: micro-batches of 3 and 1
-    trained, model = model_as_trained(CLASSES, compute, model=config.model, device=device)
+    with mock.patch.object(model_module, "create_model", resnet10):
+        trained, model = model_as_trained(CLASSES, compute, model=config.model, device=device)
     if sync_bn:
         trained = model = convert_sync_batchnorm(model)
     plan = SimpleNamespace(split=SimpleNamespace(classes=list("abc"), train_labels=[0, 0, 1, 2]))
@@ -135,11 +140,14 @@ def held_data(count: int, pixels: int = 32) -> tuple[SeededSamples, MyDataSet]:
     return SeededSamples(sets[0]), sets[1]
 
 
-def waits_per_epoch(run, waits: collections.Counter, data=None) -> tuple[collections.Counter, collections.Counter]:
-    """What `waits` gained during run(data(2)) and during run(data(4)) (data: `batches`, the loaders' host
-    batches, by default), after one run to warm up (the first step makes the optimizer's state, the EMA's first
+def waits_per_epoch(
+    run, waits: collections.Counter, data=None, step: int = 1
+) -> tuple[collections.Counter, collections.Counter]:
+    """What `waits` gained during an epoch of one optimizer step, run(data(step)), and during one of two,
+    run(data(2 * step)) (`step`: the batches a step takes, --accumulate; data: `batches`, the loaders' host batches,
+    by default), after an epoch of one step to warm up (the first step makes the optimizer's state, the EMA's first
     copy, ...). The data is made before anything is counted."""
-    warm, short, long = ((data or batches)(count) for count in (2, 2, 4))
+    warm, short, long = ((data or batches)(count) for count in (step, step, 2 * step))
     counted = []
     run(warm)
     for made in (short, long):
@@ -157,7 +165,8 @@ def fake_cuda_waits(kind: str, amp: str, switches: dict, on_device=False) -> tup
         device = torch.device("cuda")
         training, model, compute = built(device, amp, switches)
         data = made_on_device(kind, device, compute) if on_device else None
-        return waits_per_epoch(epochs_of(kind, training, model, compute, device), cuda.waits, data)
+        step = switches.get("accumulate", 1) if kind == "train" else 1
+        return waits_per_epoch(epochs_of(kind, training, model, compute, device), cuda.waits, data, step)
 
 
 PRECISIONS = ["off", "bf16", "fp16"]
@@ -187,14 +196,14 @@ CASES = [
 @pytest.mark.parametrize("amp, switches, feed", CASES)
 def test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, feed, two_ranks):
     short, long = fake_cuda_waits("train", amp, switches, FEEDS[feed])
-    assert long == short, f"the host waits for the device in each step: {long - short} more in 2 more steps"
+    assert long == short, f"the host waits for the device in each step: {long - short} more in one more step"
     assert sum(long.values()) == 0, long  # nor once an epoch: the epoch's sums arrive without a blocking copy
 
 
 @pytest.mark.parametrize("amp, switches, feed", CASES)
 def test_a_validation_batch_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, feed, two_ranks):
     short, long = fake_cuda_waits("validate", amp, switches, FEEDS[feed])
-    assert long == short, f"the host waits for the device in each batch: {long - short} more in 2 more batches"
+    assert long == short, f"the host waits for the device in each batch: {long - short} more in one more batch"
     assert long == {"blocking copy to the host": 1}  # the epoch's confusion matrix, once, at its end
 
 
@@ -260,5 +269,5 @@ def test_a_cuda_training_step_makes_no_host_sync_under_sync_debug_mode(amp, feed
     for kind, limits in (("train", {}), ("validate", {"max_skipped": 1})):
         run = SyncWarnings(epochs_of(kind, training, model, compute, device, **limits))
         data = made_on_device(kind, device, compute) if FEEDS[feed] else None
-        short, long = waits_per_epoch(run, run.waits, data)
-        assert long == short, f"{kind}: the host waits for the GPU in each step: {long - short} more in 2 more"
+        short, long = waits_per_epoch(run, run.waits, data, EVERY_SWITCH["accumulate"] if kind == "train" else 1)
+        assert long == short, f"{kind}: the host waits for the GPU in each step: {long - short} more in one more step"
