@@ -20,7 +20,7 @@ EQ, TR, DI = "tests/test_equivalence.py::", "tests/test_training.py::", "tests/t
 WI, WO = "tests/test_wiring.py::", "tests/test_words.py::"
 HS, GP = "tests/test_host_syncs.py::", "tests/test_gpu_path.py::"
 OG, OD = "tests/test_one_gate.py::", "tests/test_on_device.py::"
-PR = "tests/test_preemption.py::"
+PR, SD = "tests/test_preemption.py::", "tests/test_shared_decoding.py::"
 RESUME_MATRIX = (
     "tests/test_resume_matrix.py::test_every_interrupted_run_resumes_to_the_uninterrupted_runs_weights_and_metrics"
 )
@@ -213,7 +213,7 @@ BREAKS = [
      "            self.wait_for_writes()  # the epochs ended well", "            pass  # the epochs ended well",
      "tests/test_filesystem.py::test_a_full_disk_while_saving_stops_the_run_in_one_line_and_resume_continues"),
     ("17c two ranks of a machine decoding", "dataset/in_memory.py", "    if process.local_world_size == 1:\n",
-     "    if True:\n", "tests/test_dataset.py::test_the_processes_of_a_machine_decode_its_images_once_between_them"),
+     "    if True:\n", SD + "test_the_processes_of_a_machine_decode_its_images_once_between_them"),
     # Every case of a class (issue 45)
     ("18a a container's CPU quota ignored", "machine.py",
      "    return max(1, min(cores, math.ceil(quota[0]))) if quota else cores\n", "    return cores\n",
