@@ -18,9 +18,7 @@ from unittest import mock
 import pytest
 import torch
 from spawn_world import spawn_world
-from torch import nn
-from torchvision.models.resnet import BasicBlock, ResNet
-from wiring import loaders, model_as_trained
+from wiring import group_norm_resnet10, loaders, model_as_trained, resnet10
 
 import model as model_module
 from dataset.folders import read_split_data
@@ -32,10 +30,9 @@ from recipe.optimizer import build_optimizer
 from run.plan import per_process_recipe
 from utils import UserError
 
-# A ResNet of one block a stage, resnet10 below: the default ResNet-34's kinds of layer (convolutions, BatchNorm, the
-# shortcuts' downsampling, the head), built by torchvision's ResNet class as --model resnet18 builds it, with one
-# block where ResNet-34 repeats 3 to 6. What is compared (gradients averaged, statistics synchronised, rates scaled)
-# does not depend on how many blocks repeat, and in float64 each repeat makes every comparison longer.
+# A ResNet of one block a stage (tests/wiring.py's resnet10): the default ResNet-34's kinds of layer, with one block
+# where ResNet-34 repeats 3 to 6. What is compared (gradients averaged, statistics synchronised, rates scaled) does
+# not depend on how many blocks repeat, and in float64 each repeat makes every comparison longer.
 NETWORK = "resnet18"  # the name the scripts' wiring is given; create_model builds resnet10 in its place
 B = 4  # images per rank per step
 SIZE = 32  # in float64 the steps agree to 4e-13 at 32 px too (1e-14 at 64), at a quarter of the work
@@ -57,17 +54,6 @@ def global_batches(steps):
         (torch.randn(2 * B, 3, SIZE, SIZE, generator=g), torch.randint(0, 5, (2 * B,), generator=g))
         for _ in range(steps)
     ]
-
-
-def resnet10(num_classes, name=None, norm_layer=None):
-    """A ResNet of one block a stage (torchvision's ResNet class, as --model resnet18 builds it, with half its
-    blocks): 4.9 M weights, half of ResNet-18's."""
-    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes, norm_layer=norm_layer)
-
-
-def group_norm_resnet10(num_classes, name=None):
-    """The same network normalising each image alone (GroupNorm): no statistic crosses images."""
-    return resnet10(num_classes, norm_layer=lambda channels: nn.GroupNorm(8, channels))
 
 
 # The networks compared, each trained the same few steps both ways: (SyncBN, per-image normalisation).

@@ -18,10 +18,9 @@ from unittest import mock
 import pytest
 import torch
 from fake_cuda import FakeCuda
-from test_equivalence import resnet10
 from torch import nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException
-from wiring import model_as_trained, training_as_built
+from wiring import model_as_trained, resnet10, training_as_built
 
 import model as model_module
 import multi_train_utils.sync_batchnorm as sync_batchnorm
@@ -88,7 +87,7 @@ def batches(count: int, size: int = 4, pixels: int = 32) -> Batches:
 
 def built(device: torch.device, amp: str, switches: dict):
     """(the training, the unwrapped model, its Compute) as train_single_gpu.py builds them, for a ResNet of one
-    block a stage (test_equivalence.resnet10: every kind of layer of --model resnet18, each op on fake tensors a
+    block a stage (tests/wiring.py's resnet10: every kind of layer of --model resnet18, each op on fake tensors a
     fraction of a millisecond); with sync_bn, its BatchNorm synchronised as in DDP."""
     switches = dict(switches)
     sync_bn, channels_last = switches.pop("sync_bn", False), switches.pop("channels_last", False)

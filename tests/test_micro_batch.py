@@ -16,15 +16,14 @@ Only a GPU runs out of memory and says so (torch.OutOfMemoryError); here the con
 that raises it for a pass over more images than a limit.
 """
 
-import copy
 from unittest import mock
 
 import pytest
 import torch
 from conftest import FAST, metrics_without_timings
 from spawn_world import spawn_world
-from test_equivalence import RECIPE, TOLERANCE, group_norm_resnet10, max_difference, resnet10, snapshot
-from wiring import model_as_trained
+from test_equivalence import RECIPE, TOLERANCE, max_difference, snapshot
+from wiring import built_once, group_norm_resnet10, model_as_trained, resnet10
 
 import model as model_module
 from model import create_model
@@ -38,18 +37,6 @@ from run import autotune
 B, PIECE, SIZE, STEPS, LR = 4, 2, 16, 3, 0.0005  # a rank's batch, its micro-batch, pixels, batches, --lr
 ACCUMULATE = 2  # batches a step sums: with STEPS 3, a step of two batches (three backward passes in no_sync), then
 # the epoch's last of one
-
-
-def built_once(create):
-    """`create`, each network built once and copied after (initial_model seeds every build alike, and a float64
-    ResNet takes a while to initialise)."""
-    built = {}
-
-    def copy_of(num_classes, name=None):
-        key = (num_classes, torch.get_default_dtype())
-        return copy.deepcopy(built.get(key) or built.setdefault(key, create(num_classes, name)))
-
-    return copy_of
 
 
 def rank_batches(rank: int, world_size: int, size: int) -> list:

@@ -3,8 +3,6 @@
 weights files (.pth, .safetensors) and their pretrained weights in Hugging Face's cache. No test uses the network:
 the ImageNet file is made locally, and downloads go to a web server on 127.0.0.1 or find no network."""
 
-import copy
-import functools
 import hashlib
 import pickle
 import socket
@@ -22,6 +20,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 from torchvision.models import ResNet34_Weights, resnet18, resnet34, resnet50
+from wiring import built_once
 
 from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD, normalise, val_transform
 from model import (
@@ -40,23 +39,17 @@ IMAGENET_WEIGHTS = ResNet34_Weights.IMAGENET1K_V1  # what `--weights imagenet` m
 OFFICIAL_NAME = "resnet34-b627a593.pth"  # the file name in IMAGENET_WEIGHTS.url, under which torch.hub caches it
 
 
-@functools.cache
-def _built_once() -> torch.nn.Module:
-    return create_model(5)
-
-
-def target() -> torch.nn.Module:
-    """A ResNet-34 for 5 classes as create_model builds it, to load weights into: a copy of one built once (building
-    one takes a third of a second on 2 cores, copying it a twentieth). Every copy holds the same weights: a test
-    that compares two models builds the one it loads from with create_model."""
-    return copy.deepcopy(_built_once())
+# A ResNet-34 for 5 classes as create_model builds it, to load weights into: target(5), a copy of one built once
+# (building one takes a third of a second on 2 cores, copying it a twentieth). Every copy holds the same weights: a
+# test that compares two models builds the one it loads from with create_model.
+target = built_once(create_model)
 
 
 def test_a_1000_class_file_loads_everything_but_the_head(tmp_path):
     torch.manual_seed(0)
     imagenet_like = resnet34()  # the official file's layout: 1000-class fc
     torch.save(imagenet_like.state_dict(), tmp_path / "resnet34-imagenet.pth")
-    model = target()
+    model = target(5)
     head_before = model.fc.weight.clone()
 
     report = load_weights(model, tmp_path / "resnet34-imagenet.pth")
@@ -74,7 +67,7 @@ def test_wrapper_prefixes_are_stripped(tmp_path, prefix):
     torch.manual_seed(1)
     source = create_model(5)
     torch.save({prefix + k: v for k, v in source.state_dict().items()}, tmp_path / "w.pth")
-    model = target()
+    model = target(5)
     report = load_weights(model, tmp_path / "w.pth")
     assert not report.missing and not report.unexpected and not report.skipped_shape
     assert all(
@@ -90,17 +83,17 @@ def test_saved_weights_are_a_plain_torchvision_state_dict(tmp_path):
 
 
 def test_a_checkpoint_holding_the_model_under_model_is_accepted(tmp_path):
-    model = target()
+    model = target(5)
     torch.save({"model": model.state_dict(), "epoch": 3}, tmp_path / "checkpoint.pth")
-    assert len(load_weights(target(), tmp_path / "checkpoint.pth").loaded) == len(model.state_dict())
+    assert len(load_weights(target(5), tmp_path / "checkpoint.pth").loaded) == len(model.state_dict())
 
 
 def test_missing_counters_and_unexpected_keys_are_reported(tmp_path):
-    state = target().state_dict()
+    state = target(5).state_dict()
     del state["bn1.num_batches_tracked"]  # as in files saved before torchvision 0.4.1
     state["extra.weight"] = torch.zeros(1)
     torch.save(state, tmp_path / "w.pth")
-    report = load_weights(target(), tmp_path / "w.pth")
+    report = load_weights(target(5), tmp_path / "w.pth")
     assert report.missing == ["bn1.num_batches_tracked"]
     assert report.unexpected == ["extra.weight"]
     assert "1 missing from the file" in report.summary() and "1 in the file but not in the model" in report.summary()
@@ -109,18 +102,18 @@ def test_missing_counters_and_unexpected_keys_are_reported(tmp_path):
 def test_weights_of_another_architecture_are_refused(tmp_path):
     torch.save({"encoder.weight": torch.zeros(3, 3)}, tmp_path / "other.pth")
     with pytest.raises(UserError, match="no tensor that fits"):
-        load_weights(target(), tmp_path / "other.pth")
+        load_weights(target(5), tmp_path / "other.pth")
 
 
 def test_a_file_that_is_not_a_state_dict_is_refused(tmp_path):
     torch.save([1, 2, 3], tmp_path / "list.pth")
     with pytest.raises(UserError, match="does not hold a state dict"):
-        load_weights(target(), tmp_path / "list.pth")
+        load_weights(target(5), tmp_path / "list.pth")
     (tmp_path / "text.pth").write_text("hello")
     with pytest.raises(UserError, match=r"is not a PyTorch file \(a text file"):
-        load_weights(target(), tmp_path / "text.pth")
+        load_weights(target(5), tmp_path / "text.pth")
     with pytest.raises(UserError, match="does not exist"):
-        load_weights(target(), tmp_path / "absent.pth")
+        load_weights(target(5), tmp_path / "absent.pth")
 
 
 class RunsCode:
@@ -134,7 +127,7 @@ def test_a_pickle_that_would_run_code_is_refused_and_never_runs(tmp_path, monkey
     with open(tmp_path / "evil.pth", "wb") as f:
         pickle.dump({"fc.weight": RunsCode()}, f, protocol=2)
     with pytest.raises(UserError, match="weights_only=True"):
-        load_weights(target(), tmp_path / "evil.pth")
+        load_weights(target(5), tmp_path / "evil.pth")
     assert not marker.exists()
 
 
@@ -147,7 +140,7 @@ def test_freezing_leaves_only_the_head_trainable():
 @pytest.mark.parametrize("other", [resnet18, resnet50])
 def test_weights_of_another_resnet_are_refused(tmp_path, other):
     torch.save(other(num_classes=5).state_dict(), tmp_path / "other.pth")
-    model = target()
+    model = target(5)
     before = model.conv1.weight.clone()
     with pytest.raises(UserError, match="does not fit resnet34"):
         load_weights(model, tmp_path / "other.pth")
@@ -226,7 +219,7 @@ def test_cached_imagenet_weights_are_found_offline_and_load_all_but_the_head(tor
     torch.save(official, torch_cache / OFFICIAL_NAME)
 
     path = weights_file(IMAGENET)
-    model = target()
+    model = target(5)
     report = load_weights(model, path)
 
     assert path == torch_cache / OFFICIAL_NAME and no_network == []  # found in the cache, no download tried

@@ -1,13 +1,17 @@
 """The training scripts' wiring, for the tests that check its properties piece by piece: the loaders and the model
 of train_multi_gpu_using_launch.py's `train` (train_single_gpu.py's, for the single-process model), built by the
 very statements that `train` runs. Each block between "statement for statement" and "end of" lines is the script's
-own, token for token: tests/test_wiring.py fails when the two differ."""
+own, token for token: tests/test_wiring.py fails when the two differ. And the small networks the step-by-step tests
+put in create_model's place (resnet10), and a build kept to be copied (built_once)."""
 
+import copy
 from types import SimpleNamespace
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
+from torchvision.models.resnet import BasicBlock, ResNet
 
 from model import data_parallel_over_gpus, initial_model
 from multi_train_utils.distributed_utils import Process, shuffled_batches, val_shard
@@ -94,3 +98,29 @@ def training_as_built(config: Config, plan, trained, model, train_loader, device
     )  # fmt: skip
     # end of train_single_gpu.py
     return training
+
+
+def resnet10(num_classes, name=None, norm_layer=None):
+    """A ResNet of one block a stage (torchvision's ResNet class, as --model resnet18 builds it, with half its
+    blocks): every kind of layer of the default ResNet-34 (convolutions, BatchNorm, the shortcuts' downsampling, the
+    head) in 4.9 M weights, half of ResNet-18's. The tests whose proofs do not depend on the depth (float64 step
+    comparisons, fake-CUDA steps) put it in create_model's place."""
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes, norm_layer=norm_layer)
+
+
+def group_norm_resnet10(num_classes, name=None):
+    """The same network normalising each image alone (GroupNorm): no statistic crosses images."""
+    return resnet10(num_classes, norm_layer=lambda channels: nn.GroupNorm(8, channels))
+
+
+def built_once(create):
+    """`create`, each network built once and copied after: create(num_classes, *args) for each argument list and
+    default dtype (initial_model seeds every build alike, and a large or float64 network takes a while to
+    initialise; a copy is a fraction of that)."""
+    built = {}
+
+    def copy_of(num_classes, *args):
+        key = (num_classes, *args, torch.get_default_dtype())
+        return copy.deepcopy(built.get(key) or built.setdefault(key, create(num_classes, *args)))
+
+    return copy_of
