@@ -2,7 +2,7 @@
 # What to run on a lent GPU machine, in one command from the repository root, with the machine's own python3
 # (nothing installed), as a list of steps:
 #
-#     bash tools/gpu_run.sh                     # the standing order's steps (DEFAULT_STEPS below)
+#     bash tools/gpu_run.sh                     # the next session's first command (DEFAULT_STEPS below)
 #     bash tools/gpu_run.sh "tests quick 90 tests/test_gpu.py -m gpu -k 'evaluate or data_parallel'" \
 #                           "bench b256 240 --batch-size 256 --rows model-only,compile,profile"
 #
@@ -42,10 +42,11 @@ JPEG_SCALE=${GPU_RUN_JPEG_SCALE:-1}
 DEVICE=${GPU_RUN_DEVICE:-cuda}
 SUMMARY=$OUT/summary.log
 export PYTHONUNBUFFERED=1
+# The first of the next session's two commands (docs/gpu-runs.md, "The next GPU session"), with GPU_RUN_BUDGET=360
 DEFAULT_STEPS=(
-    "tests first 240 tests/test_host_syncs.py tests/test_gpu.py -m gpu -k 'host_sync or TestWhatBreaksSilently'"
-    "bench b256 300 --batch-size 256 --rows model-only,compile,loader,profile,auto"
-    "tests rest 600 tests/test_gpu.py -m gpu -k 'not TestWhatBreaksSilently'"
+    "tests device 100 tests/test_host_syncs.py tests/test_gpu.py -m gpu -k 'host_sync or made_on_the_gpu'"
+    "run e30 60 train_single_gpu.py --epochs 30 --batch-size 256 --amp bf16 --channels-last --workers 0 --batches device"
+    "bench b256 200 --batch-size 256 --rows model-only,paths,peer,profile,auto --profile-steps 11"
 )
 [ $# -gt 0 ] || set -- "${DEFAULT_STEPS[@]}"
 mkdir -p "$OUT"
