@@ -384,12 +384,15 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def autotune_cache_of_this_session(tmp_path_factory):
-    """What a run measures (in the tests of measuring) is kept in this session's folder, never in the user's cache;
-    every script a test starts inherits the setting."""
+def files_of_this_session(tmp_path_factory):
+    """What the runs leave besides their run folders is kept in this session's folder: what a run measures (in the
+    tests of measuring), never in the user's cache; and each torchrun's folder of logs and error files, which it
+    would otherwise make in /tmp and leave there (torchrun reads --log-dir from PET_LOG_DIR). Every script a test
+    starts inherits the settings."""
     from run.autotune import CACHE_ENV  # here: xdist's controller, which loads this file too, imports no model
 
     os.environ[CACHE_ENV] = str(tmp_path_factory.getbasetemp() / "autotune.json")
+    os.environ["PET_LOG_DIR"] = str(tmp_path_factory.getbasetemp() / "torchrun_logs")
 
 
 @pytest.fixture(scope="session")
