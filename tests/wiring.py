@@ -121,6 +121,8 @@ def built_once(create):
 
     def copy_of(num_classes, *args):
         key = (num_classes, *args, torch.get_default_dtype())
-        return copy.deepcopy(built.get(key) or built.setdefault(key, create(num_classes, *args)))
+        if key not in built:
+            built[key] = create(num_classes, *args)
+        return copy.deepcopy(built[key])
 
     return copy_of
