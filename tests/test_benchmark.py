@@ -6,7 +6,7 @@ import math
 import os
 
 import pytest
-from conftest import run_script
+from conftest import SMALL_MODEL, run_script
 from PIL import Image
 
 from recipe.precision import Compute
@@ -19,7 +19,7 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     out = tmp_path / "bench"
     result = run_script(
         "tools/benchmark.py",
-        *("--data-path", tiny_data, "--output-dir", out, "--img-size", "32", "--batch-size", "8"),
+        *("--data-path", tiny_data, "--output-dir", out, "--img-size", "32", "--batch-size", "8", *SMALL_MODEL),
         *("--epochs", "2", "--steps", "1", "--loader-images", "16", "--device", "cpu"),
         *("--rows", "model-only,loop,loader,baseline,fixed"),  # no DDP, no demo; auto runs whatever --rows says
         *("--fixed", "float32-nchw"),  # one fixed configuration beside auto (each is a run of the script)
@@ -55,7 +55,11 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     # the machine the figures hold for: processor, cores, the instruction set torch computes with, the peaks
     settings = results["settings"]
     assert "cores, torch kernels" in results["machine"] and settings["matmul_peak_flops"]["float32"] > 1e9
-    assert 1e6 < settings["training_flops_per_image"] < 1e10  # ResNet-34 at 32 px: about 0.2 GFLOP
+    # every row trains --model: the runs (their args.json), and the FLOPs the rows' peak fractions count
+    assert settings["model"] == SMALL_MODEL[1] and result.stdout.startswith(f"Benchmark: {SMALL_MODEL[1]}, 32 px")
+    for name in ("auto", "baseline", "fixed-float32-nchw"):
+        assert json.loads((out / "runs" / name / "args.json").read_text())["model"] == SMALL_MODEL[1]
+    assert settings["training_flops_per_image"] == benchmark.training_flops_per_image(SMALL_MODEL[1], 32)  # 0.22 GFLOP
     assert "| train_single_gpu.py, auto (batches " in result.stdout and "Matrix-product peak: float32" in result.stdout
     assert "auto against the original's configuration (float32, NCHW): " in result.stdout
     assert "against the best fixed configuration (float32, NCHW): " in result.stdout
@@ -89,7 +93,7 @@ def fake_measurements(monkeypatch, out, fail_at=None) -> list[list[str]]:
     monkeypatch.setattr(benchmark, "auto_run", lambda args: (dict(AUTO_FIGURES), Compute(), 0))
     monkeypatch.setattr(benchmark, "in_fresh_process", measure)
     monkeypatch.setattr(benchmark, "measure_peaks", lambda computes, device: {"float32": 1e12})
-    monkeypatch.setattr(benchmark, "training_flops_per_image", lambda img_size: 1e9)
+    monkeypatch.setattr(benchmark, "training_flops_per_image", lambda model, img_size: 1e9)
     monkeypatch.setenv(CACHE_ENV, os.environ[CACHE_ENV])  # main points it at its own file: restored after the test
     return on_disk
 

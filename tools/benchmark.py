@@ -3,6 +3,7 @@
 python tools/benchmark.py                       # 224 px, batch 16, generated 320x240 JPEGs
 python tools/benchmark.py --data-path flower_photos --img-size 224 --batch-size 32 --nprocs 4
 python tools/benchmark.py --rows model-only,auto --batch-size 256   # only these rows (auto always runs)
+python tools/benchmark.py --model resnet50 --rows model-only,auto   # another network (default: the scripts')
 python tools/benchmark.py --startup-sizes 1000,10000,100000   # start-up alone (tools/startup_benchmark.py)
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python tools/benchmark.py    # an AVX-512 CPU computing as an AVX2 one
 
@@ -100,7 +101,7 @@ from multi_train_utils.distributed_utils import Process, resolve_device, shuffle
 from multi_train_utils.train_eval_utils import Training, train_one_epoch  # noqa: E402
 from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets, loader_options  # noqa: E402
 from plot_results import plot_benchmark  # noqa: E402
-from recipe.config import DEMO_DEFAULTS, SINGLE, Config, parse_config  # noqa: E402
+from recipe.config import DEMO_DEFAULTS, SINGLE, Config, model_name, parse_config  # noqa: E402
 from recipe.loss import build_objective  # noqa: E402
 from recipe.optimizer import build_optimizer, model_ema  # noqa: E402
 from recipe.precision import AMP_DTYPES, PRECISION_NAMES, Compute, amp_flag, choose_compute, short_name  # noqa: E402
@@ -127,6 +128,12 @@ FIXED = {"float32-nchw": ("off", False), "float32-channels_last": ("off", True),
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--img-size", type=number(int, 1), default=Config.default("img_size"), help="training crop size")
+    p.add_argument(
+        "--model",
+        type=model_name,
+        default=Config.default("model"),
+        help="the network every row trains, as the scripts' --model (torchvision's name, or timm/NAME)",
+    )
     batch = Config.default("batch_size")
     p.add_argument("--batch-size", type=number(int, 1), default=batch, help="images per step in each process")
     p.add_argument(
@@ -199,7 +206,7 @@ def fixed_list(text: str) -> list[str]:
     return names
 
 
-def _in_memory(queue, mode, img_size, batch_size, amp, channels_last, device, steps):
+def _in_memory(queue, mode, model_name, img_size, batch_size, amp, channels_last, device, steps):
     """In a fresh process: `steps` timed training steps on one random batch held in memory, after three untimed
     ones (allocations, kernel choices). `mode` "bare": the step alone, the batch on the device once; "item": the
     same with loss.item() after each step; "loop": train_one_epoch, which moves the batch to the device and
@@ -208,7 +215,7 @@ def _in_memory(queue, mode, img_size, batch_size, amp, channels_last, device, st
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = resolve_device(device)
     compute, _ = choose_compute(amp, channels_last, device)
-    model = initial_model("resnet34", 5, device, compute.memory_format)  # as the scripts build it, in one process
+    model = initial_model(model_name, 5, device, compute.memory_format)  # as the scripts build it, in one process
     trained = torch.compile(model) if mode == "compiled" else model
     # The training scripts' optimizer at their default settings (the step's cost does not depend on them).
     optimizer, _ = build_optimizer(model, parse_config(SINGLE, "", []), batches_per_epoch=1)
@@ -301,7 +308,7 @@ def training_loader(plan: Plan, config, workers: int, device: torch.device, comp
     return train_loader, val_loader, decoded
 
 
-def _profile(queue, plan, img_size, batch_size, compute, workers, steps, start_method, device, folder):
+def _profile(queue, plan, flags, compute, workers, steps, start_method, device, folder):
     """In a fresh process: the training loop as train_single_gpu.py builds it (its data, loader, model and recipe
     at their default settings, in the precision, layout and loader workers auto chose, given here), its first
     epoch untraced, then `steps` steps traced by torch.profiler (tools/profile_steps.py): the trace in `folder`,
@@ -309,8 +316,8 @@ def _profile(queue, plan, img_size, batch_size, compute, workers, steps, start_m
     multiprocessing.set_start_method(start_method, force=True)
     sys.stdout = open(os.devnull, "w")  # the progress bars
     device = resolve_device(device)
-    config = parse_config(SINGLE, "", ["--img-size", str(img_size), "--batch-size", str(batch_size)])
-    use_cores(device, 1, batch_size, workers)  # the compute threads tune() leaves beside the workers
+    config = parse_config(SINGLE, "", flags)
+    use_cores(device, 1, config.batch_size, workers)  # the compute threads tune() leaves beside the workers
     train_loader, _, decoded = training_loader(plan, config, workers, device, compute)
     # statement for statement: train_single_gpu.py
     model = initial_model(
@@ -331,7 +338,7 @@ def _profile(queue, plan, img_size, batch_size, compute, workers, steps, start_m
         lambda loader: train_one_epoch(training, loader, device, 1),
         batches_over_epochs(train_loader), len(train_loader), steps, device, folder,
     )  # fmt: skip
-    found["img_per_sec"] = found["traced_steps"] * batch_size / found["traced_seconds"]
+    found["img_per_sec"] = found["traced_steps"] * config.batch_size / found["traced_seconds"]
     queue.put(found | {"workers": workers, "decoded": decoded} | peak_memory(device))
 
 
@@ -405,9 +412,9 @@ def matmul_peak(dtype: torch.dtype, device: torch.device) -> float:
     return 2 * size**3 * per_round / best
 
 
-def training_flops_per_image(img_size: int) -> float:
+def training_flops_per_image(model_name: str, img_size: int) -> float:
     """Floating-point operations of one training step (forward and backward) of the model, per image."""
-    model, batch = create_model(5), 2
+    model, batch = create_model(5, model_name), 2
     images, labels = torch.randn(batch, 3, img_size, img_size), torch.zeros(batch, dtype=torch.long)
     with FlopCounterMode(display=False) as counter:
         torch.nn.functional.cross_entropy(model(images), labels).backward()
@@ -515,8 +522,7 @@ def run_script(args, name: str, script: list, flags: list, demo: bool = False) -
     if demo:
         command.append("--demo")
     else:
-        command += ["--data-path", str(args.data_path), "--img-size", str(args.img_size)]
-        command += ["--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
+        command += [*settings_flags(args), "--data-path", str(args.data_path), "--epochs", str(args.epochs)]
     log = args.output_dir / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"  {name}: {' '.join(command[1:])}", flush=True)
@@ -537,6 +543,11 @@ def run_script(args, name: str, script: list, flags: list, demo: bool = False) -
         "peak_rss_mib": max((m["peak_rss_mib"] for m in epochs if "peak_rss_mib" in m), default=None),
         **({"peak_gpu_mib": max(m["peak_gpu_mib"] for m in epochs)} if "peak_gpu_mib" in epochs[0] else {}),
     }
+
+
+def settings_flags(args) -> list[str]:
+    """The scripts' flags for the benchmark's model, crop size and batch size."""
+    return ["--model", args.model, "--img-size", str(args.img_size), "--batch-size", str(args.batch_size)]
 
 
 def training_plan(data_path: Path, batch_size: int, output_dir: Path) -> Plan:
@@ -609,7 +620,7 @@ def in_memory_rows(args, compute: Compute, peaks: dict, flops: float):
         ("model only, torch.compile", "compile", "compiled", compute),
         ("train_one_epoch, tensors in memory", "loop", "loop", compute),
     ]
-    settings = (args.img_size, args.batch_size)
+    settings = (args.model, args.img_size, args.batch_size)
     for name, kind, mode, case in cases:
         if kind in args.rows:
             measured = in_fresh_process(name, _in_memory, mode, *settings, amp_flag(case), case.channels_last,
@@ -641,7 +652,7 @@ def profile_rows(args, plan: Plan, compute: Compute, workers: int):
     if "profile" not in args.rows:
         return
     device = torch.device(args.device)
-    measure = (plan, args.img_size, args.batch_size, compute, workers, args.profile_steps,
+    measure = (plan, settings_flags(args), compute, workers, args.profile_steps,
                multiprocessing.get_start_method(), args.device, args.output_dir.resolve())  # fmt: skip
     measured = in_fresh_process("profile", _profile, *measure)
     print(printed(measured, device), flush=True)
@@ -742,7 +753,7 @@ def path_rows(args, flags: list[str], chosen: str, peaks: dict, flops: float):
         yield row(f"train_single_gpu.py, --batches {path}", "paths", 1, precision, measured, peak, flops)
 
 
-def _peer(queue, data_path, img_size, batch_size, compute, device, epochs):
+def _peer(queue, data_path, model_name, img_size, batch_size, compute, device, epochs):
     """In a fresh process: the bare training step fed as torchvision's reference scripts and timm feed a GPU (an
     ImageFolder, PIL crops and flips per image, ToTensor and Normalize, in as many loader workers as cores,
     pinned, persistent), `epochs` epochs over every image of `data_path`; images per second over the epochs after
@@ -754,7 +765,7 @@ def _peer(queue, data_path, img_size, batch_size, compute, device, epochs):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     loader = DataLoader(dataset, batch_size, shuffle=True, num_workers=cores, pin_memory=device.type == "cuda",
                         persistent_workers=True, drop_last=True)  # fmt: skip
-    model = initial_model("resnet34", len(dataset.classes), device, compute.memory_format)
+    model = initial_model(model_name, len(dataset.classes), device, compute.memory_format)
     optimizer, _ = build_optimizer(model, parse_config(SINGLE, "", []), batches_per_epoch=len(loader))
     scaler, images_seen, seconds = compute.grad_scaler(device), 0, 0.0
     model.train()
@@ -773,8 +784,8 @@ def peer_rows(args, compute: Compute, peaks: dict, flops: float):
     """The peer-style loader's row (if --rows has it), in what auto chose."""
     if "peer" not in args.rows:
         return
-    measured = in_fresh_process("peer", _peer, args.data_path, args.img_size, args.batch_size, compute, args.device,
-                                args.epochs)  # fmt: skip
+    measured = in_fresh_process("peer", _peer, args.data_path, args.model, args.img_size, args.batch_size, compute,
+                                args.device, args.epochs)  # fmt: skip
     name = f"peer-style: ImageFolder, PIL, {worker_phrase(measured['workers'])}, pinned"
     yield row(name, "peer", 1, described(compute), measured, peaks[peak_name(compute.amp_dtype)], flops)
 
@@ -845,7 +856,8 @@ def main(argv=None):
     if args.startup_sizes:
         return startup_benchmark(args.startup_sizes, args.output_dir, args.device)
     nprocs = settle(args)
-    print(f"Benchmark: {args.img_size} px, batch {args.batch_size}, data {args.data_path}, output {args.output_dir}")
+    print(f"Benchmark: {args.model}, {args.img_size} px, batch {args.batch_size}, data {args.data_path}, ", end="")
+    print(f"output {args.output_dir}")
     machine = describe_machine(args.device)
     print(f"Machine: {machine}")
     plan = training_plan(args.data_path, args.batch_size, args.output_dir)
@@ -856,7 +868,7 @@ def main(argv=None):
     # another of auto's candidates than the single process did
     chosen_by_any = [Compute(AMP_DTYPES[amp]) for amp in amp_candidates(args.amp, torch.device(args.device))[0]]
     peaks = measure_peaks([compute, *fixed, *chosen_by_any], torch.device(args.device))
-    flops = training_flops_per_image(args.img_size)
+    flops = training_flops_per_image(args.model, args.img_size)
     print(
         "Matrix-product peak: " + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
         + f"; a training step is {flops / 1e9:.2f} GFLOP per image"
@@ -917,7 +929,8 @@ def new_benchmark(args, machine: str, settings: dict) -> dict:
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "settings": {
-            "img_size": args.img_size, "batch_size": args.batch_size, "device": args.device, **settings,
+            "model": args.model, "img_size": args.img_size, "batch_size": args.batch_size, "device": args.device,
+            **settings,
             "data_path": str(args.data_path), "epochs": args.epochs, "steps": args.steps,
             "loader_images": args.loader_images, "fixed": args.fixed, "rows": args.rows,
         },
