@@ -11,9 +11,9 @@ import warnings
 import onnxruntime
 import pytest
 import torch
-from conftest import assert_user_error, run_script
+from conftest import SMALL_MODEL, assert_user_error, run_script
 from torch.utils.data import DataLoader
-from torchvision.models import resnet34
+from torchvision.models import resnet18
 
 import export
 from dataset.folders import read_split_data, write_class_indices
@@ -28,19 +28,21 @@ CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]  # tiny_data's
 @pytest.fixture(scope="module")
 def run(tiny_data, tmp_path_factory):
     """A run folder laid out as training writes it, made directly (training one takes longer than the exports):
-    weights/best.pth of a ResNet-34 whose BatchNorm statistics are away from their initial 0 and 1, class_indices.json,
-    and args.json of a run at 32 px in bfloat16 and channels_last, which the export must not carry into the file."""
+    weights/best.pth of a ResNet-18 whose BatchNorm statistics are away from their initial 0 and 1, class_indices.json,
+    and args.json of a ResNet-18 run at 32 px in bfloat16 and channels_last, which the export must not carry into the
+    file (the network it does take from there: the default, ResNet-34, would refuse these weights)."""
     folder = tmp_path_factory.mktemp("export") / "run"
     (folder / "weights").mkdir(parents=True)
     generator = torch.Generator().manual_seed(0)
-    model = create_model(len(CLASSES))
+    model = create_model(len(CLASSES), SMALL_MODEL[1])
     for layer in model.modules():
         if isinstance(layer, torch.nn.BatchNorm2d):
             for tensor, low, high in [(layer.running_mean, -0.2, 0.2), (layer.running_var, 0.5, 2.0)]:
                 tensor.copy_(torch.empty_like(tensor).uniform_(low, high, generator=generator))
     torch.save(model.state_dict(), folder / "weights" / "best.pth")
     write_class_indices(CLASSES, folder)
-    run_args = {"data_path": str(tiny_data), "img_size": 32, "batch_size": 8, "val_rate": 0.2, "seed": 0}
+    run_args = {"data_path": str(tiny_data), "model": SMALL_MODEL[1], "img_size": 32, "batch_size": 8, "val_rate": 0.2}
+    run_args["seed"] = 0
     (folder / "args.json").write_text(json.dumps({**run_args, "amp": "bf16", "channels_last": True}))
     return folder
 
@@ -55,9 +57,9 @@ def images(tiny_data) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pytorch_logits(run, images) -> tuple[torch.Tensor, torch.Tensor]:
-    """torchvision's ResNet-34 with the run's weights, float32 and NCHW on the CPU, on the images as evaluate.py
+    """torchvision's ResNet-18 with the run's weights, float32 and NCHW on the CPU, on the images as evaluate.py
     sees them: (logits, the batch)."""
-    model = resnet34(num_classes=len(CLASSES))
+    model = resnet18(num_classes=len(CLASSES))
     model.load_state_dict(torch.load(run / "weights" / "best.pth", weights_only=True))
     batch, _ = next(iter(DataLoader(MyDataSet(images, [0] * len(images), val_transform(32)), batch_size=len(images))))
     batch = normalise(batch)  # as Compute.batch_to does on the device
