@@ -41,9 +41,10 @@ def run(tiny_data, tmp_path_factory):
                 tensor.copy_(torch.empty_like(tensor).uniform_(low, high, generator=generator))
     torch.save(model.state_dict(), folder / "weights" / "best.pth")
     write_class_indices(CLASSES, folder)
-    run_args = {"data_path": str(tiny_data), "model": SMALL_MODEL[1], "img_size": 32, "batch_size": 8, "val_rate": 0.2}
-    run_args["seed"] = 0
-    (folder / "args.json").write_text(json.dumps({**run_args, "amp": "bf16", "channels_last": True}))
+    run_args = {"data_path": str(tiny_data), "model": SMALL_MODEL[1], "img_size": 32, "batch_size": 8}
+    (folder / "args.json").write_text(
+        json.dumps({**run_args, "val_rate": 0.2, "seed": 0, "amp": "bf16", "channels_last": True})
+    )
     return folder
 
 

@@ -856,8 +856,10 @@ def main(argv=None):
     if args.startup_sizes:
         return startup_benchmark(args.startup_sizes, args.output_dir, args.device)
     nprocs = settle(args)
-    print(f"Benchmark: {args.model}, {args.img_size} px, batch {args.batch_size}, data {args.data_path}, ", end="")
-    print(f"output {args.output_dir}")
+    print(
+        f"Benchmark: {args.model}, {args.img_size} px, batch {args.batch_size}, data {args.data_path}, "
+        f"output {args.output_dir}"
+    )
     machine = describe_machine(args.device)
     print(f"Machine: {machine}")
     plan = training_plan(args.data_path, args.batch_size, args.output_dir)
@@ -930,8 +932,7 @@ def new_benchmark(args, machine: str, settings: dict) -> dict:
         "torch": torch.__version__,
         "settings": {
             "model": args.model, "img_size": args.img_size, "batch_size": args.batch_size, "device": args.device,
-            **settings,
-            "data_path": str(args.data_path), "epochs": args.epochs, "steps": args.steps,
+            **settings, "data_path": str(args.data_path), "epochs": args.epochs, "steps": args.steps,
             "loader_images": args.loader_images, "fixed": args.fixed, "rows": args.rows,
         },
         "complete": False,  # until the last row: a benchmark stopped midway leaves the rows it finished
