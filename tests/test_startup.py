@@ -4,6 +4,7 @@ or resume for images that have not changed; and the start-up benchmark's parts (
 import argparse
 import json
 import os
+import subprocess
 import sys
 import threading
 from collections import Counter
@@ -157,3 +158,21 @@ def test_the_time_to_the_first_step_stops_at_the_progress_bar_and_kills_the_run(
     assert 0 < seconds < 30 and "[epoch 0] train" in (tmp_path / "log").read_text()
     with pytest.raises(UserError, match="ended before its first step"):
         seconds_to_first_step([sys.executable, "-c", "print('no step')"], tmp_path / "log")
+
+
+@pytest.mark.fast
+def test_a_scripts_process_freezes_its_objects_at_exit_once_however_often_main_ran():
+    # gc.freeze counted; the first handler registered runs last: it sees what utils.entry_point left for the exit.
+    code = (
+        "import atexit, gc\n"
+        "calls, freeze = [], gc.freeze\n"
+        "gc.freeze = lambda: calls.append(1) or freeze()\n"
+        "atexit.register(lambda: print(len(calls), gc.get_freeze_count() > 0))\n"
+        "from utils import entry_point\n"
+        "main = entry_point(lambda: print(len(calls)))\n"
+        "main()\n"
+        "main()\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["0", "0", "1", "True"], result.stderr  # at the exit alone, once
