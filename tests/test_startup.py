@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 from PIL import Image
 
 from dataset import images
@@ -173,6 +174,5 @@ def test_a_scripts_process_freezes_its_objects_at_exit_once_however_often_main_r
         "main()\n"
         "main()\n"
     )
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.stdout.split() == ["0", "0", "1", "True"], result.stderr  # at the exit alone, once
