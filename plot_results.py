@@ -167,26 +167,27 @@ def plot_predictions(images, true_labels: list[int], predicted: list[int], class
     wrong): what run_log.py shows in TensorBoard each epoch. `images` are HxWx3 arrays of values in 0..1.
 
     One axes showing one grid image with a label above each picture: drawn every epoch, it must be cheap (0.12 s
-    against 0.96 s for a 4x4 grid of subplots with constrained layout).
+    against 0.96 s for a 4x4 grid of subplots with constrained layout). The grid is laid out with numpy, not
+    torch: run_log.py draws it in its background writer, where a torch operation would start a team of OpenMP
+    threads that slows every training step after it on the CPU (docs/performance.md).
     """
-    import torch  # here: training calls this with torch loaded; plotting curves should not wait for it
-    from torchvision.utils import make_grid
-
     columns = min(4, len(images))
     height, width = images[0].shape[:2]
     pad = max(height // 2, 8)  # room for a two-line label above each picture, at any image size
-    tensor = torch.as_tensor(np.stack(images)).permute(0, 3, 1, 2)
-    grid = make_grid(tensor, nrow=columns, padding=pad, pad_value=1.0).permute(1, 2, 0).numpy()
+    rows = -(-len(images) // columns)
+    grid = np.ones((pad + rows * (height + pad), pad + columns * (width + pad), 3))  # white between pictures
     fig = Figure(figsize=(2.2 * columns, 2.2 * columns * grid.shape[0] / grid.shape[1]), dpi=80)
     ax = fig.add_axes((0, 0, 1, 1))
-    ax.imshow(grid)
     ax.axis("off")
     classes = [readable(name) for name in classes]
-    for i, (truth, guess) in enumerate(zip(true_labels, predicted, strict=True)):
+    for i, (image, truth, guess) in enumerate(zip(images, true_labels, predicted, strict=True)):
         row, column = divmod(i, columns)
+        top, left = pad + row * (height + pad), pad + column * (width + pad)
+        grid[top : top + height, left : left + width] = image
         label = classes[guess] if guess == truth else f"{classes[guess]}\n(true: {classes[truth]})"
-        x, y = pad + column * (width + pad) + width / 2, pad + row * (height + pad) - pad * 0.1
+        x, y = left + width / 2, top - pad * 0.1
         ax.text(x, y, label, ha="center", va="bottom", fontsize=9, color="green" if guess == truth else "red")
+    ax.imshow(grid)
     return fig
 
 

@@ -19,6 +19,9 @@ class Board:
         self.writer = SummaryWriter(str(folder), purge_step=start_epoch)
         write_hparams(self.writer, record)
         self.preview = preview_batch(preview_set)
+        # Its pixels for the grid, made here once: the background writer that draws it runs no torch operation,
+        # which would start a team of OpenMP threads of its own for the rest of the run (docs/performance.md).
+        self.pixels = (self.preview[0].permute(0, 2, 3, 1) / 255).numpy()  # 8-bit, as HxWx3 from 0 to 1
 
     @torch.no_grad()
     def predictions(self, model, compute: Compute) -> list[int]:
@@ -40,7 +43,8 @@ class Board:
             (BEST_ACC_TAG, best_acc),
         ):
             self.writer.add_scalar(tag, value, epoch)
-        grid = figure_pixels(preview_figure(self.preview, predicted, classes))  # without pyplot: any thread
+        figure = preview_figure(self.pixels, self.preview[1], predicted, classes)
+        grid = figure_pixels(figure)  # without pyplot: any thread
         self.writer.add_image("validation_predictions", grid, epoch, dataformats="HWC")
         self.writer.flush()
 
@@ -82,10 +86,9 @@ def figure_pixels(figure) -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
-def preview_figure(preview, predicted: list[int], classes: list[str]):
-    """The preview images titled with the model's predictions (green right, red wrong), for TensorBoard."""
-    images, labels = preview
-    pixels = (images.permute(0, 2, 3, 1) / 255).numpy()  # the loader's 8-bit pixels, as HxWx3 from 0 to 1
+def preview_figure(pixels: np.ndarray, labels: list[int], predicted: list[int], classes: list[str]):
+    """The preview images (`pixels`: NxHxWx3 from 0 to 1) titled with the model's predictions (green right, red
+    wrong), for TensorBoard."""
     from plot_results import plot_predictions  # matplotlib: imported by rank 0 alone, when it first draws
 
     return plot_predictions(pixels, labels, predicted, classes)

@@ -212,6 +212,10 @@ BREAKS = [
     ("17b the run's end not waiting for the last write", "run/run_log.py",
      "            self.wait_for_writes()  # the epochs ended well", "            pass  # the epochs ended well",
      "tests/test_filesystem.py::test_a_full_disk_while_saving_stops_the_run_in_one_line_and_resume_continues"),
+    ("17d a torch operation in the background writer", "run/tensorboard.py",
+     "preview_figure(self.pixels, self.preview[1]",
+     "preview_figure((self.preview[0].permute(0, 2, 3, 1) / 255).numpy(), self.preview[1]",
+     TR + "test_the_background_writer_starts_no_compute_threads_of_its_own"),
     ("17c two ranks of a machine decoding", "dataset/in_memory.py", "    if process.local_world_size == 1:\n",
      "    if True:\n", SD + "test_the_processes_of_a_machine_decode_its_images_once_between_them"),
     # Every case of a class (issue 45)

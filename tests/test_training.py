@@ -1,6 +1,9 @@
 """The three scripts end to end, run as a user runs them: what they print, exit with and write."""
 
 import json
+import os
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +88,45 @@ def test_data_parallel_without_several_gpus_trains_a_plain_model(tiny_data, tmp_
     assert result.returncode == 0, result.stderr
     assert "--data-parallel: only one device" in result.stdout or torch.cuda.device_count() > 1
     assert not any(name.startswith("module.") for name in final_weights(out))  # loads into a plain model
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the process's threads in /proc (Linux)")
+def test_the_background_writer_starts_no_compute_threads_of_its_own(tiny_data, tmp_path, monkeypatch):
+    """A torch operation in the thread that writes an epoch's files starts a team of OpenMP threads for that
+    thread, kept while it lives; with more such threads than cores, the training's own team stops spinning at its
+    barriers, and every later step on a 2-core CPU took 1.4x as long (docs/performance.md). The writer runs numpy
+    and file writes only. Two compute threads here, as a 2-core machine runs, whatever this worker's share."""
+    from multi_train_utils.epoch_writer import EpochWriter
+
+    def started_by(work) -> set[str]:  # the threads that appeared while `work` ran, and are still there after it
+        before = set(os.listdir("/proc/self/task"))
+        work()
+        return set(os.listdir("/proc/self/task")) - before
+
+    def in_a_thread(work) -> set[str]:
+        started = []
+        thread = threading.Thread(target=lambda: started.append(started_by(work)))
+        thread.start()
+        thread.join()
+        return started[0]
+
+    threads, set_num_threads, written = torch.get_num_threads(), torch.set_num_threads, []
+    monkeypatch.setattr(torch, "set_num_threads", lambda _: set_num_threads(2))
+    try:
+        torch.set_num_threads(2)
+        assert in_a_thread(lambda: torch.ones(1 << 20).div_(255)), "a torch operation in a thread starts none here"
+        original = EpochWriter.write
+        monkeypatch.setattr(EpochWriter, "write", lambda w, job, after=None: original(
+            w, lambda: written.append(started_by(job)), after))  # fmt: skip
+        out = tmp_path / "run"
+        size = ("--img-size", "64")  # a preview of 10 images large enough that any torch operation on it is parallel
+        result = run_here(
+            "train_single_gpu.py", "--data-path", tiny_data, "--output-dir", out, "--epochs", "1", *FAST, *size
+        )
+    finally:
+        set_num_threads(threads)
+    assert result.returncode == 0, result.stderr
+    assert written == [set()]  # epoch 0's files, written in the background by a thread that started none
 
 
 # float32: the validation check below evaluates the saved weights in this process, in float32, and must find the
