@@ -35,7 +35,7 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
         if row["kind"] == "loader":  # loads images, trains nothing: no FLOPs
             assert row["peak_fraction"] is None
         else:
-            assert 0 < row["peak_fraction"] < 1  # of the measured matrix-product peak of its precision
+            assert 0 < row["peak_fraction"] < 1  # of the measured compute peak of its precision
     # the ceiling alone runs without a host synchronisation in its loop; the other loops read each step's loss
     assert [row["host_sync_each_step"] for row in rows[:4]] == [False, True, False, True]
     # one worker, then the training scripts' count on this machine as auto chose it (at least one)
@@ -54,13 +54,16 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     assert "2 loader workers per process" in (out / "logs" / "baseline.log").read_text()
     # the machine the figures hold for: processor, cores, the instruction set torch computes with, the peaks
     settings = results["settings"]
-    assert "cores, torch kernels" in results["machine"] and settings["matmul_peak_flops"]["float32"] > 1e9
+    assert "cores, torch kernels" in results["machine"] and settings["peak_flops"]["float32"] > 1e9
     # every row trains --model: the runs (their args.json), and the FLOPs the rows' peak fractions count
     assert settings["model"] == SMALL_MODEL[1] and result.stdout.startswith(f"Benchmark: {SMALL_MODEL[1]}, 32 px")
     for name in ("auto", "baseline", "fixed-float32-nchw"):
         assert json.loads((out / "runs" / name / "args.json").read_text())["model"] == SMALL_MODEL[1]
     assert settings["training_flops_per_image"] == benchmark.training_flops_per_image(SMALL_MODEL[1], 32)  # 0.22 GFLOP
-    assert "| train_single_gpu.py, auto (batches " in result.stdout and "Matrix-product peak: float32" in result.stdout
+    assert (
+        "| train_single_gpu.py, auto (batches " in result.stdout
+        and "Compute peak (the faster of matrix products and convolutions): float32" in result.stdout
+    )
     assert "auto against the original's configuration (float32, NCHW): " in result.stdout
     assert "against the best fixed configuration (float32, NCHW): " in result.stdout
     assert "of the model-only ceiling" in result.stdout and "x the original's setup" in result.stdout

@@ -62,10 +62,11 @@ benchmark stopped midway leaves every row it finished. The whole table and the t
 a target whose rows were not measured says so.
 
 The machine is stated with the figures: the processor, the instruction set torch computes with, the cores, and
-the measured peak of a large matrix product in each precision; each row's "% of peak" is its training FLOPs per
-second (torch's FlopCounterMode over one training step, times images per second) against the peak of the
-precision it computed in (none for the loader rows, which do not train). Writes benchmark.json, benchmark.png
-(plot_results.plot_benchmark, at the end) and each run's folder and log to --output-dir.
+the measured peak of large matrix products and convolutions in each precision (compute_peak); each row's "% of
+peak" is its training FLOPs per second (torch's FlopCounterMode over one training step, times images per second)
+against the peak of the precision it computed in (none for the loader rows, which do not train). Writes
+benchmark.json, benchmark.png (plot_results.plot_benchmark, at the end) and each run's folder and log to
+--output-dir.
 """
 
 import argparse
@@ -153,6 +154,12 @@ def parse_args(argv=None):
         "--profile-steps", type=number(int, 1), default=10, help="steps the profile row traces (from its second epoch)"
     )
     p.add_argument("--nprocs", type=number(int, 1), help="DDP processes (default: GPUs visible, or 2 on the CPU)")
+    add_row_choices(p)
+    return p.parse_args(argv)
+
+
+def add_row_choices(p: Parser) -> None:
+    """The flags that say which rows are measured, how they compute, and where their results go."""
     p.add_argument(
         "--amp",
         choices=["auto", "off", "bf16", "fp16"],
@@ -187,7 +194,6 @@ def parse_args(argv=None):
         help="measure start-up alone instead: seconds to the first training step, cold and warm, on generated "
         "folders of these many images (e.g. 1000,10000,100000); see tools/startup_benchmark.py",
     )
-    return p.parse_args(argv)
 
 
 def kind_list(text: str) -> list[str]:
@@ -374,14 +380,19 @@ def in_fresh_process(name: str, target, *args) -> dict:
     return result
 
 
-def matmul_peak(dtype: torch.dtype, device: torch.device) -> float:
-    """FLOP/s of square matrix products in `dtype` on `device` (on the CPU, on all of this process's cores): the
-    machine's practical peak in that precision, the best of 6 timed rounds.
+def compute_peak(dtype: torch.dtype, device: torch.device) -> float:
+    """FLOP/s of the fastest dense work in `dtype` on `device` (on the CPU, on all of this process's cores): the
+    machine's practical peak in that precision, the best of 6 timed rounds of each kind of work.
+
+    The work is square matrix products and, on the CPU, 3x3 convolutions of 512 channels, a ResNet's own kind of
+    work. torch's CPU matrix products are MKL's, and on AMD CPUs MKL's float32 reaches half of what oneDNN's
+    convolutions do: 211 against 428 GFLOP/s on a 2-core Zen 5 (2026-11-28), so a matrix product alone put
+    float32 rows above 100 % of their "peak". On a GPU, cuBLAS's products are as fast as anything there.
 
     A round must last long beside launching its work and waiting for its end. On the CPU one product of 2048 x 2048
-    matrices (17 GFLOP) does. A fast GPU computes that product in about the time it takes to launch it and wait for
-    it, so there a round is 10 products of 8192 x 8192 matrices (1.1 TFLOP each), queued back to back, with one
-    synchronisation at the end.
+    matrices (17 GFLOP), or one convolution of 16 images of 28 x 28 (30 GFLOP), does. A fast GPU computes that
+    product in about the time it takes to launch it and wait for it, so there a round is 10 products of 8192 x 8192
+    matrices (1.1 TFLOP each), queued back to back, with one synchronisation at the end.
 
     float32 is timed as training computes it. On a GPU, cuDNN computes float32 convolutions, nearly all of a ResNet's
     FLOPs, in TensorFloat-32 (torch.backends.cudnn.allow_tf32, True by default, which nothing here changes); torch
@@ -390,26 +401,33 @@ def matmul_peak(dtype: torch.dtype, device: torch.device) -> float:
     On the CPU, float32 is float32."""
     on_gpu = device.type == "cuda"
     size, per_round = (8192, 10) if on_gpu else (2048, 1)
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     product = torch.empty_like(a)
+    works = {2 * size**3 * per_round: lambda: [torch.matmul(a, b, out=product) for _ in range(per_round)]}
+    if not on_gpu:
+        images, kernels = torch.randn(16, 512, 28, 28).to(dtype), torch.randn(512, 512, 3, 3).to(dtype)
+        works[2 * 16 * 512 * 512 * 9 * 28 * 28] = lambda: torch.nn.functional.conv2d(images, kernels, padding=1)
     tf32 = on_gpu and dtype == torch.float32
     precision = torch.get_float32_matmul_precision()
     if tf32:
         torch.set_float32_matmul_precision("high")
     try:
-        best = float("inf")
-        for _ in range(6):
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(per_round):
-                torch.matmul(a, b, out=product)
-            synchronize(device)
-            best = min(best, time.perf_counter() - start)
+        return max(flops / best_of_rounds(work, device) for flops, work in works.items())
     finally:
         if tf32:
             torch.set_float32_matmul_precision(precision)
-    return 2 * size**3 * per_round / best
+
+
+def best_of_rounds(work, device: torch.device, rounds: int = 6) -> float:
+    """The shortest of `rounds` timed calls of work(), in seconds, each from an idle device to an idle device."""
+    best = float("inf")
+    for _ in range(rounds):
+        synchronize(device)
+        start = time.perf_counter()
+        work()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def training_flops_per_image(model_name: str, img_size: int) -> float:
@@ -594,10 +612,10 @@ def record(benchmark: dict, new_row: dict, path: Path) -> None:
 
 
 def measure_peaks(computes: list[Compute], device: torch.device) -> dict:
-    """The matrix-product peak of float32 and of every other precision measured, in FLOP/s, by name ("float32",
+    """The compute peak of float32 and of every other precision measured, in FLOP/s, by name ("float32",
     "bfloat16", ...)."""
     dtypes = {torch.float32} | {compute.amp_dtype for compute in computes if compute.amp_dtype is not None}
-    return {peak_name(dtype): matmul_peak(dtype, device) for dtype in sorted(dtypes, key=str, reverse=True)}
+    return {peak_name(dtype): compute_peak(dtype, device) for dtype in sorted(dtypes, key=str, reverse=True)}
 
 
 def peak_name(dtype: torch.dtype | None) -> str:
@@ -872,11 +890,12 @@ def main(argv=None):
     peaks = measure_peaks([compute, *fixed, *chosen_by_any], torch.device(args.device))
     flops = training_flops_per_image(args.model, args.img_size)
     print(
-        "Matrix-product peak: " + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
+        "Compute peak (the faster of matrix products and convolutions): "
+        + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
         + f"; a training step is {flops / 1e9:.2f} GFLOP per image"
     )  # fmt: skip
     settings = {"nprocs": nprocs, "precision": described(compute), "channels_last": compute.channels_last,
-                "workers": workers, "matmul_peak_flops": peaks, "training_flops_per_image": flops}  # fmt: skip
+                "workers": workers, "peak_flops": peaks, "training_flops_per_image": flops}  # fmt: skip
     benchmark = new_benchmark(args, machine, settings)
     results = args.output_dir / "benchmark.json"
     print(f"\nRows as they are measured (of {', '.join(args.rows)}), each written to {results} at once:")
