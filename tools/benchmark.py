@@ -403,16 +403,17 @@ def compute_peak(dtype: torch.dtype, device: torch.device) -> float:
     size, per_round = (8192, 10) if on_gpu else (2048, 1)
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     product = torch.empty_like(a)
-    works = {2 * size**3 * per_round: lambda: [torch.matmul(a, b, out=product) for _ in range(per_round)]}
+    products = lambda: [torch.matmul(a, b, out=product) for _ in range(per_round)]  # noqa: E731
+    works = [(2 * size**3 * per_round, products)]  # (its FLOPs, the work)
     if not on_gpu:
         images, kernels = torch.randn(16, 512, 28, 28).to(dtype), torch.randn(512, 512, 3, 3).to(dtype)
-        works[2 * 16 * 512 * 512 * 9 * 28 * 28] = lambda: torch.nn.functional.conv2d(images, kernels, padding=1)
+        works.append((2 * 16 * 512 * 512 * 9 * 28 * 28, lambda: torch.nn.functional.conv2d(images, kernels, padding=1)))
     tf32 = on_gpu and dtype == torch.float32
     precision = torch.get_float32_matmul_precision()
     if tf32:
         torch.set_float32_matmul_precision("high")
     try:
-        return max(flops / best_of_rounds(work, device) for flops, work in works.items())
+        return max(flops / best_of_rounds(work, device) for flops, work in works)
     finally:
         if tf32:
             torch.set_float32_matmul_precision(precision)
