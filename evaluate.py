@@ -28,6 +28,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from dataset.folders import read_split_data
 from dataset.image_check import CHECKED_IMAGES, ImageCheck
+from inference.results import add_results_arguments, check_results_file, results_file
+from inference.scoring import (
+    add_scoring_arguments,
+    join_group,
+    rows_of,
+    scored_batches,
+    spawned_world_size,
+)
+from inference.trained import add_model_arguments, image_loader, load_trained_model
 from multi_train_utils.bookkeeping import Tally
 from multi_train_utils.distributed_utils import (
     cleanup,
@@ -39,15 +48,6 @@ from multi_train_utils.distributed_utils import (
 )
 from multi_train_utils.spawn_utils import choose_meeting_point, report_failures, run_workers
 from plot_results import save_png
-from run.results import add_results_arguments, check_results_file, results_file
-from run.scoring import (
-    add_scoring_arguments,
-    join_group,
-    rows_of,
-    scored_batches,
-    spawned_world_size,
-)
-from run.trained import add_model_arguments, image_loader, load_trained_model
 from utils import (
     HelpFormatter,
     OutputError,
@@ -57,7 +57,7 @@ from utils import (
     describe,
     entry_point,
     number,
-    readable,
+    printable,
     warn,
     write_json,
 )
@@ -102,10 +102,10 @@ def plot_confusion_matrix(confusion: torch.Tensor, classes: list[str], title: st
     axes = figure.subplots()
     image = axes.imshow(counts, cmap="Blues")
     figure.colorbar(image, ax=axes, label="images")
-    classes = [readable(name) for name in classes]  # a figure takes text alone
+    classes = [printable(name) for name in classes]  # a figure takes text alone
     axes.set_xticks(range(len(classes)), classes, rotation=45, ha="right", rotation_mode="anchor")
     axes.set_yticks(range(len(classes)), classes)
-    axes.set(xlabel="predicted class", ylabel="true class", title=readable(title))
+    axes.set(xlabel="predicted class", ylabel="true class", title=printable(title))
     for (row, column), count in np.ndenumerate(counts):
         dark = count > counts.max() / 2  # white text on the dark cells
         axes.text(column, row, str(count), ha="center", va="center", color="white" if dark else "black")

@@ -31,8 +31,8 @@ import torch
 from dataset.folders import list_images
 from dataset.images import image_problem
 from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD, RESIZE_RATIO, normalise
+from inference.trained import add_run_overrides, image_loader, load_trained_model
 from multi_train_utils.distributed_utils import resolve_device
-from run.trained import add_run_overrides, image_loader, load_trained_model
 from utils import HelpFormatter, Parser, UserError, check_new_file, entry_point, warn, write_atomically
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}  # the default output's suffix

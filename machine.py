@@ -227,7 +227,7 @@ def cores_per_process(processes_here: int = 1) -> int:
 def core_budget(device: torch.device, processes_here: int = 1, batch_size: int = 1, workers: int | None = None):
     """(loader workers, compute threads) for one of `processes_here` processes sharing this machine's cores, by
     rule: for predict.py and evaluate.py, and for the compute threads beside a --workers given to training (whose
-    workers left to auto are measured instead: run/autotune.py).
+    workers left to auto are measured instead: autotune/choose.py).
 
     On a GPU (CUDA, or a Mac's mps) the cores only prepare data: up to 8 workers (no more than a batch's images).
     On the CPU the same cores also compute, and a loader process that takes a core away from a compute thread

@@ -17,51 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from network.architectures import (
-    DEFAULT_MODEL,
-    IMAGENET,
-    TIMM,
-    batch_statistics,
-    create_model,
-    freeze_all_but_head,
-    head_names,
-    model_skeleton,
-    random_draws,
-    unknown_model,
-    unwrapped,
-)
+from network.architectures import create_model, freeze_all_but_head, model_skeleton
 from network.checkpointing import enable_grad_checkpointing
-from network.groups import layer_scales, norms_and_biases
-from network.weights import head_classes, imagenet_weights_file, load_weights, read_state_dict, weights_file
+from network.groups import layer_scales
+from network.weights import load_weights
 from utils import UserError
-
-# What the scripts and tools take from here: these functions, and the parts in network/ they are built from
-__all__ = [
-    "DEFAULT_MODEL",
-    "IMAGENET",
-    "TIMM",
-    "batch_statistics",
-    "check_input_size",
-    "check_model_options",
-    "create_model",
-    "data_parallel_over_gpus",
-    "enable_grad_checkpointing",
-    "freeze_all_but_head",
-    "head_classes",
-    "head_names",
-    "imagenet_weights_file",
-    "initial_model",
-    "layer_scales",
-    "load_weights",
-    "model_skeleton",
-    "norms_and_biases",
-    "random_draws",
-    "read_state_dict",
-    "sizing_skeleton",
-    "unknown_model",
-    "unwrapped",
-    "weights_file",
-]
 
 
 def initial_model(

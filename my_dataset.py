@@ -1,81 +1,115 @@
-"""The dataset the scripts train and validate on: images and their class labels (MyDataSet), and the training
-and validation sets of a split, built as every script builds them (datasets).
+"""The dataset the scripts train and validate on (MyDataSet), the training and validation sets of a split
+(datasets), and their batches (loaders): made on the device, or by loader processes. Its parts are in dataset/."""
 
-Its parts live in dataset/: the data folder read and split (folders.py), an image file read (images.py), the
-transform presets (transforms.py), the images decoded once into memory (in_memory.py), seeded sampling
-(sampling.py), the demo data (demo.py), the start-up check of every image (image_check.py), and the batches made
-on the device (on_device.py, with each image's crop box drawn in crop_boxes.py).
-"""
-
+import atexit
+import multiprocessing
+import signal
 import sys
 
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from dataset.ahead import EpochsAhead  # noqa: F401 (the scripts' loaders)
 from dataset.folders import DataSplit
-from dataset.images import load_rgb
-from dataset.in_memory import ONE_PROCESS, DecodedImages, decode_once
-from dataset.on_device import SKIPPED, TrainingBatches, ValidationBatches  # noqa: F401 (the scripts' batches)
-from dataset.sampling import SeededSamples
+from dataset.images import SKIPPED, load_rgb
+from dataset.in_memory import DecodedImages, decode_once
+from dataset.on_device import TrainingBatches, ValidationBatches
 from dataset.transforms import train_transform, val_transform
-from multi_train_utils.distributed_utils import Process
-from multi_train_utils.stop_and_resume import ignore_stop_signals
+from utils import STOP_SIGNALS
 
 
 class MyDataSet(Dataset):
-    """Images and their class labels; items are (image tensor, label).
+    """Images and their class labels; an item is (image tensor, label).
 
-    A transform that is a Preset also says how small a large JPEG may be decoded (see load_rgb). With
-    `decoded` (set by decode_once), an image is taken from memory, decoded there once as load_rgb decodes it,
-    instead of from its file. An image that cannot be read when its turn comes (it vanished or broke after the
-    start-up check) is skipped with a warning naming it: its item is a blank image, transformed as any other (so
-    the batch keeps its shape), labelled SKIPPED.
+    Asked for as (index, seed), as a SeededBatchSampler gives the training images, the random augmentation is drawn
+    from that seed alone: the same on any loader worker. An image decoded once (`decoded`, set by decode_once) comes
+    from memory. One that cannot be read when its turn comes is a blank image labelled SKIPPED, with a warning.
     """
 
     def __init__(self, images_path, images_class, transform=None):
         if len(images_path) != len(images_class):
             raise ValueError(f"{len(images_path)} images but {len(images_class)} labels")
-        self.images_path = list(images_path)
-        self.images_class = list(images_class)
-        self.transform = transform
-        self.min_side = getattr(transform, "min_side", None)
+        self.images_path, self.images_class, self.transform = list(images_path), list(images_class), transform
+        self.min_side = getattr(transform, "min_side", None)  # how small a large JPEG may be decoded (load_rgb)
         self.decoded: DecodedImages | None = None
 
     def __len__(self):
         return len(self.images_path)
 
-    def __getitem__(self, index):
-        path, label = self.images_path[index], self.images_class[index]
-        image = None if self.decoded is None else self.decoded[index]
+    def __getitem__(self, item):
+        if isinstance(item, tuple):  # (index, seed): the transforms draw from the CPU's generator, seeded alone
+            index, seed = item
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(seed)
+                return self[index]
+        path, label = self.images_path[item], self.images_class[item]
+        image = None if self.decoded is None else self.decoded[item]
         if image is None:
             try:
                 image = load_rgb(path, self.min_side)
             except Exception as error:  # PIL raises many types for a file that is gone or no longer an image
                 print(f"warning: skipped unreadable image {path} ({type(error).__name__}: {error})", file=sys.stderr)
                 image, label = Image.new("RGB", (self.min_side or 1,) * 2), SKIPPED
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, label
+        return (image if self.transform is None else self.transform(image)), label
 
 
-def datasets(split: DataSplit, config, process: Process = ONE_PROCESS) -> tuple["SeededSamples", MyDataSet, str]:
-    """The training set (augmented, each image seeded by SeededBatchSampler) and the validation set of a split,
-    at `config`'s image size and augmentation (a Config: img_size, auto_augment, random_erase), their images
-    decoded once into memory where --image-cache-gb allows (decode_once; DDP: once for the processes of this
-    machine, `process` saying this one's place among them); and the line saying whether they were."""
+def datasets(split: DataSplit, config, process=None) -> tuple[MyDataSet, MyDataSet, str]:
+    """The training set (augmented) and the validation set of a split, their images decoded once into memory where
+    --image-cache-gb allows (in DDP once for the processes of this machine), and the line saying whether they were."""
     augment = train_transform(config.img_size, auto_augment=config.auto_augment, random_erase=config.random_erase)
     train_set = MyDataSet(split.train_images, split.train_labels, augment)
     val_set = MyDataSet(split.val_images, split.val_labels, val_transform(config.img_size))
-    decoded = decode_once([train_set, val_set], config.image_cache_gb, process)
-    return SeededSamples(train_set), val_set, decoded
+    return train_set, val_set, decode_once([train_set, val_set], config.image_cache_gb, process)
 
 
-def loader_options(workers: int, config, device: torch.device) -> dict:
-    """The DataLoader settings of the training scripts' loaders: `workers` loader processes, kept between epochs
-    (unless --no-persistent-workers, as the original scripts did), which leave a stop signal to the training
-    process to act on, at a step (ignore_stop_signals); on a GPU, batches in pinned memory, so that their copies to
-    it overlap with its work."""
-    loading = {"num_workers": workers, "persistent_workers": workers > 0 and config.persistent_workers}
-    return loading | {"pin_memory": device.type == "cuda", "worker_init_fn": ignore_stop_signals}
+def loaders(train_set, val_set, batches, val_sampler, config, choice, device: torch.device):
+    """The training batches (`batches`: a SeededBatchSampler) and the validation batches (`val_sampler`'s images)
+    as auto chose to make them (`choice`): on the device from the images held there, or by choice.workers loader
+    processes, kept between epochs, each epoch's first batches loaded while the last epoch ends (EpochsAhead)."""
+    if choice.on_device:
+        return (TrainingBatches(train_set, batches, device, choice.memory_format),
+                ValidationBatches(val_set, val_sampler, config.batch_size, device))  # fmt: skip
+    loading = {"num_workers": choice.workers, "persistent_workers": choice.workers > 0 and config.persistent_workers,
+               "pin_memory": device.type == "cuda", "worker_init_fn": ignore_stop_signals}  # fmt: skip
+    return (EpochsAhead(DataLoader(train_set, batch_sampler=batches, **loading), config.epochs),
+            EpochsAhead(DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)))  # fmt: skip
+
+
+class EpochsAhead:
+    """A DataLoader whose next pass starts as soon as one ends: with persistent workers, they load the next epoch's
+    first batches (its set_epoch(epoch + 1) drawn first) while this process validates and saves. A pass asked for
+    another epoch than the one started (a resumed run's first) starts anew."""
+
+    def __init__(self, loader: DataLoader, epochs: int | None = None):
+        self.loader, self.epochs = loader, epochs
+        self.dataset, self.batch_sampler = loader.dataset, loader.batch_sampler
+        self.started = None  # (the epoch of the pass started ahead, its iterator)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        epoch = getattr(self.batch_sampler, "epoch", None)  # a validation loader's passes are all alike: None
+        started, self.started = self.started, None
+        yield from started[1] if started is not None and started[0] == epoch else iter(self.loader)
+        if self.loader.persistent_workers and (epoch is None or self.epochs is None or epoch + 1 < self.epochs):
+            if epoch is not None:
+                self.batch_sampler.set_epoch(epoch + 1)
+            self.started = (None if epoch is None else epoch + 1, iter(self.loader))
+
+
+def ignore_stop_signals(worker_id: int | None = None) -> None:
+    """A loader process's worker_init_fn: SLURM signals every process of a job, and the training process decides
+    when to stop (at a step, saved); without this, torch's handler would end the loader process at once."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+@atexit.register  # after multiprocessing's own exit handler, so that it runs first (atexit runs the last first)
+def end_loader_processes() -> None:
+    """At exit, SIGKILL the loader processes still running (persistent workers of a run a stop signal ended):
+    multiprocessing's handler would send them SIGTERM, which they ignore, and wait for them for ever."""
+    for child in multiprocessing.active_children():
+        if child.daemon:  # a DataLoader's workers are; the spawn script's training processes are not
+            child.kill()
+            child.join()

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from read_back import read_json, read_json_lines
-from utils import Parser, UserError, entry_point, readable, write_atomically
+from utils import Parser, UserError, entry_point, printable, write_atomically
 
 # A class named in a script the figures' font lacks (Chinese, Korean, ...) or holding a control character is drawn
 # as boxes; said once a character by matplotlib, every epoch, that would bury the run's own lines. (A filter set
@@ -81,7 +81,7 @@ def classify(argument: Path) -> tuple[str, Path]:
 def run_label(folder: Path, epochs: list[dict]) -> str:
     """The run folder's name and its number of processes, e.g. "train_multi_gpu_using_launch-... (2 processes)"."""
     processes = epochs[-1].get("world_size", 1)
-    return f"{readable(folder.resolve().name)} ({processes} process{'es' if processes != 1 else ''})"
+    return f"{printable(folder.resolve().name)} ({processes} process{'es' if processes != 1 else ''})"
 
 
 def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
@@ -179,7 +179,7 @@ def plot_predictions(images, true_labels: list[int], predicted: list[int], class
     fig = Figure(figsize=(2.2 * columns, 2.2 * columns * grid.shape[0] / grid.shape[1]), dpi=80)
     ax = fig.add_axes((0, 0, 1, 1))
     ax.axis("off")
-    classes = [readable(name) for name in classes]
+    classes = [printable(name) for name in classes]
     for i, (image, truth, guess) in enumerate(zip(images, true_labels, predicted, strict=True)):
         row, column = divmod(i, columns)
         top, left = pad + row * (height + pad), pad + column * (width + pad)

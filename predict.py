@@ -18,10 +18,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dataset.folders import IMAGE_EXTENSIONS, list_images
-from multi_train_utils.distributed_utils import cleanup, is_main_process, val_shard
-from multi_train_utils.spawn_utils import choose_meeting_point, report_failures, run_workers
-from run.results import add_results_arguments, check_results_file, results_file
-from run.scoring import (
+from inference.results import add_results_arguments, check_results_file, results_file
+from inference.scoring import (
     UNKNOWN,
     add_scoring_arguments,
     join_group,
@@ -29,7 +27,9 @@ from run.scoring import (
     scored_batches,
     spawned_world_size,
 )
-from run.trained import add_model_arguments, image_loader, load_trained_model
+from inference.trained import add_model_arguments, image_loader, load_trained_model
+from multi_train_utils.distributed_utils import cleanup, is_main_process, val_shard
+from multi_train_utils.spawn_utils import choose_meeting_point, report_failures, run_workers
 from utils import HelpFormatter, Parser, UserError, entry_point
 
 

@@ -13,8 +13,8 @@ import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
+from autotune.choose import choose
 from model import initial_model
 from multi_train_utils.bookkeeping import unreadable_limits
 from multi_train_utils.distributed_utils import (
@@ -29,11 +29,10 @@ from multi_train_utils.spawn_utils import choose_meeting_point, report_failures,
 from multi_train_utils.stop_and_resume import resume_from, saving_a_step_on_stop
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training, train_one_epoch, validate
-from my_dataset import EpochsAhead, TrainingBatches, ValidationBatches, datasets, loader_options
-from recipe.config import parse_config
+from my_dataset import datasets, loaders
 from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
-from run.autotune import tune
+from run.config import parse_config
 from run.metrics import best_so_far, epoch_metrics
 from run.plan import prepare
 from run.run_log import RunLog, announce
@@ -66,26 +65,21 @@ def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
     # The images, decoded once into memory where they fit (--image-cache-gb); DDP: once for a machine's processes
-    train_set, val_set, decoded = datasets(plan.split, config, process)
+    train_set, val_set, decoding_line = datasets(plan.split, config, process)
     # DDP: the processes on this machine share its cores; what the flags leave to auto, rank 0 measures for all
-    workers, compute = tune(config, plan, device, process.local_world_size, train_set)
-    announce(config, plan, process, workers, decoded)
-    loading = loader_options(workers, config, device)  # persistent workers; batches pinned for a GPU
+    choice = choose(config, plan, device, process.local_world_size, train_set)
+    announce(config, plan, process, choice, decoding_line)
 
     # The data. DDP: each process trains on its own shard of every epoch's shuffle (a DistributedSampler)...
     batches = shuffled_batches(train_set, config.batch_size, config.seed, process.rank, process.world_size)
     # DDP: ... and validates images rank, rank + world size, ...: every image once over the processes, none padded
     val_sampler = val_shard(val_set, process.rank, process.world_size)
-    if compute.on_device:  # the images held on the device, each batch cropped and flipped there (--batches)
-        train_loader = TrainingBatches(train_set, batches, device, compute.memory_format)
-        val_loader = ValidationBatches(val_set, val_sampler, config.batch_size, device)
-    else:  # loader processes crop and flip each image and send the batches (the next epoch's from this one's end)
-        train_loader = EpochsAhead(DataLoader(train_set, batch_sampler=batches, **loading), config.epochs)
-        val_loader = EpochsAhead(DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading))
+    # Made on the device from the images held there, or by loader processes, as auto chose (--batches)
+    train_loader, val_loader = loaders(train_set, val_set, batches, val_sampler, config, choice, device)
 
     # The model: the same seeded initial weights in every process (DDP also broadcasts rank 0's when it wraps)
     model = initial_model(
-        config.model, len(plan.split.classes), device, compute.memory_format, seed=config.seed, weights=plan.weights,
+        config.model, len(plan.split.classes), device, choice.memory_format, seed=config.seed, weights=plan.weights,
         freeze=config.freeze_layers, grad_checkpointing=config.grad_checkpointing,
     )  # fmt: skip
     if config.sync_bn and not config.freeze_layers:  # (frozen layers: synchronised statistics would buy nothing)
@@ -97,14 +91,14 @@ def train(config, plan, process) -> dict:
     # The recipe. DDP: a step averages world_size batches, so the learning rate is world_size times --lr
     optimizer, scheduler = build_optimizer(trained, config, len(train_loader), world_size=process.world_size)
     training = Training(
-        trained, optimizer, scheduler, compute, compute.grad_scaler(device),
+        trained, optimizer, scheduler, choice, choice.grad_scaler(device),
         objective=build_objective(config, plan.split, device), accumulate=config.accumulate,
         clip_grad_norm=config.clip_grad_norm, ema=model_ema(model, config.ema_decay) if config.model_ema else None,
     )  # fmt: skip
     start_epoch, best_acc = resume_from(plan.resume, model, training, config.epochs)
 
     # DDP: rank 0 alone writes the run's files; the others keep theirs closed
-    log, metrics = RunLog(config, plan, process, compute, val_set, start_epoch, best_acc, enabled=is_main_process()), {}
+    log, metrics = RunLog(config, plan, process, choice, val_set, start_epoch, best_acc, enabled=is_main_process()), {}
     expected = (len(train_loader) * config.batch_size * process.world_size, len(val_set))  # an epoch's images
     limits = unreadable_limits(*expected, config.strict_images)
     with saving_a_step_on_stop(log, model, training):  # a stop signal (SIGTERM, SIGUSR1) ends at a step, saved

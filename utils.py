@@ -12,9 +12,14 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
+
+# The signals that ask a run to stop: SIGTERM (SLURM, Kubernetes, torchrun before they kill) and SIGUSR1 (SLURM's
+# --signal, ahead of the time limit; Windows has none)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
 class UserError(Exception):
@@ -28,7 +33,7 @@ class UserError(Exception):
 NAMES = "surrogateescape"
 
 
-def readable(name: str) -> str:
+def printable(name: str) -> str:
     """`name` for what takes text alone (a figure's label, a tracker's tag): each byte of it that is not UTF-8 shown
     as U+FFFD."""
     return name.encode("utf-8", NAMES).decode("utf-8", "replace")

@@ -6,6 +6,10 @@ import math
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
+# The label of an image that could not be read during a run (deleted or broken after the start-up check): the
+# loss and the counts leave it out (my_dataset.MyDataSet gives it).
+SKIPPED = -100
+
 
 def image_problem(path) -> str | None:
     """Why PIL cannot decode this file (truncated, not an image, ...), or None if it can."""

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from dataset.images import decoded_size, load_rgb
 from machine import available_cores, cores_per_process, memory_limit
-from multi_train_utils.distributed_utils import Process, broadcast_object, wait_for_all
 
-ONE_PROCESS = Process()  # a world of one
 # Where the first process of a machine leaves the decoded images for the others, the first with room (share)
 SHARED_FOLDERS = [Path("/dev/shm"), Path(tempfile.gettempdir())]
 
@@ -45,36 +44,37 @@ class DecodedImages:
         return self.pixels[offset : offset + height * width * 3].view(height, width, 3).permute(2, 0, 1)
 
 
-def decode_once(sets: list, gigabytes: float | None, process: Process = ONE_PROCESS) -> str:
+def decode_once(sets: list, gigabytes: float | None, process=None) -> str:
     """Decode every image of `sets` (MyDataSets) once into memory (DecodedImages), if all of them fit in
     `gigabytes` (None: a quarter of the memory this run may use, memory_budget; 0: none), so that an epoch only
     crops and flips them. Returns the line saying what it did, and within what budget.
 
     DDP: the processes of one machine (`process` says this one's place among them) share one decoding
     (decode_on_this_machine), instead of each decoding every image on its share of the cores."""
-    if process.local_world_size == 1:
+    if process is None or process.local_world_size == 1:
         return decode_here(sets, gigabytes, 1, available_cores())
     return decode_on_this_machine(sets, gigabytes, process)
 
 
-def decode_on_this_machine(sets: list, gigabytes: float | None, process: Process) -> str:
+def decode_on_this_machine(sets: list, gigabytes: float | None, process) -> str:
     """DDP: the first process of this machine decodes the images with all of its cores (the others wait: their
     cores would idle otherwise) and writes their pixels to a file (in memory where the system has room there:
     share); the others map that file and copy it into memory of their own; then the file is removed. Each process
     of the job meets the others twice here (a barrier each), so every machine's processes go on together. Where
     the file cannot be written (a full or read-only folder), the others decode their own, and the line says why."""
-    token = broadcast_object(uuid.uuid4().hex)  # one name for this start of the job, from rank 0
-    name = f"decoded-images-{token}-{host_tag()}"
+    token = [uuid.uuid4().hex]
+    dist.broadcast_object_list(token)  # one name for this start of the job, rank 0's
+    name = f"decoded-images-{token[0]}-{host_tag()}"
     places = [folder / name for folder in SHARED_FOLDERS]
     if process.local_rank == 0:
         line = decode_here(sets, gigabytes, process.local_world_size, available_cores())
         line = share(sets, line, places)
-    wait_for_all()
+    dist.barrier()
     if process.local_rank != 0:
         line = read_shared(sets, places) or decode_here(
             sets, gigabytes, process.local_world_size, cores_per_process(process.local_world_size)
         )
-    wait_for_all()
+    dist.barrier()
     if process.local_rank == 0:
         for path, suffix in itertools.product(places, (".pt", ".pixels")):
             path.with_suffix(suffix).unlink(missing_ok=True)

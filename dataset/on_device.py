@@ -29,14 +29,10 @@ import torch
 from torchvision.transforms import v2
 
 from dataset.crop_boxes import draw
-from dataset.images import load_rgb
+from dataset.images import SKIPPED, load_rgb
 from dataset.in_memory import in_chunks
 from dataset.transforms import normalise_pixels
 from machine import cores_per_process
-
-# The label of an image that could not be read during a run (deleted or broken after the start-up check): the
-# loss ignores it (nn.CrossEntropyLoss's ignore_index), evaluation leaves it out of its counts. my_dataset gives it.
-SKIPPED = -100
 
 
 class HeldImages:
@@ -115,9 +111,9 @@ class TrainingBatches:
 
     def __init__(self, dataset, batch_sampler, device, memory_format=torch.contiguous_format, held=None):
         self.dataset, self.batch_sampler, self.memory_format = dataset, batch_sampler, memory_format
-        self.crop, self.flip = crop_and_flip(dataset.dataset.transform)
+        self.crop, self.flip = crop_and_flip(dataset.transform)
         self.size = self.crop.size[0]
-        self.held = held if held is not None else hold(dataset.dataset, self.size, torch.device(device))
+        self.held = held if held is not None else hold(dataset, self.size, torch.device(device))
 
     def __len__(self):
         return len(self.batch_sampler)
@@ -154,10 +150,7 @@ class TrainingBatches:
     def crops(self, rows: torch.Tensor) -> torch.Tensor:
         """The batch of `rows` (index, top, left, height, width, flip; on the device): normalised on a GPU, 8-bit
         on the CPU (the loader's pixels, which the loop normalises as it does the loader's)."""
-        index, top, left, height, width, flipped = rows.unbind(1)
-        pixels = resized_crops(
-            self.held.pixels, self.held.taps, index, top, left, height, width, flipped.bool(), self.size
-        )
+        pixels = resized_crops(self.held.pixels, self.held.taps, rows, self.size)
         # 8-bit crops (the CPU's) go to the loop as the loader's batches do, normalised there as theirs are
         return pixels if pixels.dtype == torch.uint8 else normalise_pixels(pixels, self.memory_format)
 
@@ -175,25 +168,26 @@ def crop_and_flip(transform: v2.Compose) -> tuple[v2.RandomResizedCrop, v2.Rando
     return steps[0], steps[1]
 
 
-def resized_crops(pixels, taps: int, index, top, left, height, width, flipped, size: int) -> torch.Tensor:
-    """Images `index` of `pixels` (HeldImages.pixels, padded by `taps`), each its box (top, left, height, width)
-    resized to `size` x `size` with antialiasing and flipped left to right where `flipped`: (images, 3, size,
-    size). The way measured fastest on each kind of device (docs/performance.md, Batches made on the device):
+def resized_crops(pixels, taps: int, rows: torch.Tensor, size: int) -> torch.Tensor:
+    """The images of `pixels` (HeldImages.pixels, padded by `taps`) that `rows` name, (index, top, left, height,
+    width, flip) each, their boxes resized to `size` x `size` with antialiasing and flipped left to right where
+    flip is 1: (images, 3, size, size). The way measured fastest on each kind of device (docs/performance.md,
+    Batches made on the device):
 
     - on the CPU, torchvision's resized_crop on each image's 8-bit pixels, the loader's own call: 8-bit crops,
       the loader's bitwise, which the loop normalises as it normalises the loader's;
     - elsewhere (a GPU), resampled_by_matrices: a few operations for the whole batch, where one call an image
       would be hundreds of kernels launched by the host."""
     if pixels.device.type != "cpu":
-        return resampled_by_matrices(pixels, taps, index, top, left, height, width, flipped, size)
-    crops, boxes = [], torch.stack([top, left, height, width], 1).tolist()
-    for image, box, flip in zip(index.tolist(), boxes, flipped.tolist(), strict=True):
+        return resampled_by_matrices(pixels, taps, rows, size)
+    crops = []
+    for image, *box, flip in rows.tolist():
         crop = v2.functional.resized_crop(pixels[image].permute(2, 0, 1), *box, [size, size], antialias=True)
         crops.append(crop.flip(-1) if flip else crop)
     return torch.stack(crops) if crops else torch.zeros((0, 3, size, size), dtype=torch.uint8)
 
 
-def resampled_by_matrices(pixels, taps: int, index, top, left, height, width, flipped, size: int) -> torch.Tensor:
+def resampled_by_matrices(pixels, taps: int, rows: torch.Tensor, size: int) -> torch.Tensor:
     """resized_crops as a GPU makes them: each box resized as torch's interpolate(mode="bilinear",
     antialias=True) resizes the cropped image (torchvision's resized_crop), to within rounding of its 8-bit
     result, pixel values 0-255 in float16 on a GPU (float32 elsewhere).
@@ -202,11 +196,12 @@ def resampled_by_matrices(pixels, taps: int, index, top, left, height, width, fl
     padded height, times the image), then the columns; two batched matrix products, whose weights are zero outside
     each image's box."""
     dtype = torch.float16 if pixels.device.type == "cuda" else torch.float32
+    index, top, left, height, width, flipped = rows.unbind(1)
     batch, padded_height, padded_width = len(index), pixels.shape[1], pixels.shape[2]
     images = pixels[index].to(dtype)  # (batch, padded height, padded width, 3)
-    rows = resampling_weights(top, height, size, padded_height, taps, None, dtype)
-    columns = resampling_weights(left, width, size, padded_width, taps, flipped, dtype)
-    resized_rows = torch.bmm(rows, images.view(batch, padded_height, padded_width * 3))
+    by_rows = resampling_weights(top, height, size, padded_height, taps, None, dtype)
+    columns = resampling_weights(left, width, size, padded_width, taps, flipped.bool(), dtype)
+    resized_rows = torch.bmm(by_rows, images.view(batch, padded_height, padded_width * 3))
     by_channel = resized_rows.view(batch, size, padded_width, 3).transpose(2, 3).reshape(batch, size * 3, padded_width)
     resized = torch.bmm(by_channel, columns.transpose(1, 2))  # (batch, row, channel, column)
     return resized.view(batch, size, 3, size).permute(0, 2, 1, 3)

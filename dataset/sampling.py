@@ -4,28 +4,7 @@ epoch, index), so that it does not depend on which loader worker, or how many, l
 import itertools
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset, Sampler
-
-
-class SeededSamples(Dataset):
-    """A dataset whose items are asked for as (index, seed), as SeededBatchSampler gives them: the random
-    augmentation of each is drawn from `seed` alone, so it does not depend on which loader worker (or how many)
-    loads it."""
-
-    def __init__(self, dataset: Dataset):
-        self.dataset = dataset
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, item):
-        index, seed = item
-        with torch.random.fork_rng(devices=[]):
-            # The CPU's generator alone, which the transforms draw from: torch.manual_seed would also queue seeds
-            # for CUDA, XPU and MTIA, each with a formatted stack trace, a third of an item's time at 48 px.
-            torch.default_generator.manual_seed(seed)
-            return self.dataset[index]
+from torch.utils.data import Sampler
 
 
 class SeededBatchSampler(Sampler):

@@ -9,10 +9,10 @@ import time
 import torch
 from tqdm import tqdm
 
+from dataset.images import SKIPPED
 from dataset.sampling import step_seed
 from multi_train_utils.distributed_utils import all_reduce_in_background, get_rank, is_main_process, reduce_value
 from multi_train_utils.stop_and_resume import StopRequested, agreed_signal, stop_votes
-from my_dataset import SKIPPED
 from utils import UserError
 
 
@@ -28,17 +28,12 @@ def progress_bar(batches, description: str, **options) -> tqdm:
     return tqdm(batches, desc=description, file=sys.stdout, disable=not is_main_process(), **options)
 
 
-class EpochSteps:
-    """An epoch's batches (`for step, batch in steps`, each step's random draws seeded; as train_one_epoch takes
-    them, on the device and in micro-batches: `batches`), and their books.
-
-    `training` is a train_eval_utils.Training: its accumulation decides which batches end an optimizer step
-    (`last_of_group`, `group_size`); its `midway`, where a resumed run continues an epoch it stopped in (taken, and
-    cleared, here). `check` adds a step's sums to the epoch's `totals` (sum of sample losses, images read, images
-    skipped) over every rank, one step behind (StepTotals): a non-finite loss, or more than `max_skipped` images
-    that could not be read (None: no limit), stops every rank at the same step; so does a stop signal, after the
-    optimizer step (`stop_if_asked`). `scaler` is the run's gradient scaler, or a disabled one.
-    """
+class EpochBooks:
+    """The books of an epoch's steps (`steps()`: its batches, each step's random draws seeded): the sums of every
+    step over every rank, checked one step behind (check: a non-finite loss, or more than `max_skipped` unreadable
+    images, stops every rank at the same step; so does a stop signal, after the optimizer step: stop_if_asked); which
+    batches end an optimizer step (last_of_group, group_size); where a resumed epoch goes on (`training.midway`, taken
+    here); and the progress bar."""
 
     def __init__(self, training, data_loader, device: torch.device, epoch: int, max_skipped=None):
         self.training, self.data_loader, self.device, self.epoch = training, data_loader, device, epoch
@@ -48,7 +43,8 @@ class EpochSteps:
         self.scaler = training.scaler or torch.amp.GradScaler(device.type, enabled=False)
         self.stopping, self.pending, self.progress = None, None, None
 
-    def __iter__(self):
+    def steps(self):
+        """(step, batch) for each of the epoch's batches, from where a resumed epoch stopped."""
         start = 0 if self.midway is None else self.midway.step
         if self.midway is not None:
             self.midway.skip_trained_batches(self.data_loader)
@@ -56,18 +52,6 @@ class EpochSteps:
         for step, batch in enumerate(self.progress, start=start):
             self.seed_random_draws(step)
             yield step, batch
-
-    def batches(self):
-        """The epoch's steps as train_one_epoch takes them: (step, the batch's readable images, its size, its
-        micro-batches), each batch's readable images counted on the host, where the loader left the labels, then
-        the batch moved to the device, mixed by the objective (--mixup-alpha, --cutmix-alpha) and cut into the
-        micro-batches of the training's compute (--micro-batch)."""
-        compute, objective, device = self.training.compute, self.training.objective, self.device
-        for step, (images, labels) in self:
-            read = readable(labels)
-            images, labels = compute.batch_to(images, device), labels.to(device, non_blocking=device.type == "cuda")
-            images, mixing = objective.mix(images, self.epoch, step)
-            yield step, read, len(labels), objective.pieces(images, labels, mixing, compute.micro_batch)
 
     def seed_random_draws(self, step: int) -> None:
         """Seed what the step draws from (dropout's and stochastic depth's masks, on the CPU's generator and on
@@ -124,7 +108,7 @@ class EpochSteps:
         return total_loss / max(total_images, 1), int(total_images)
 
 
-def readable(labels: torch.Tensor) -> int:
+def count_readable(labels: torch.Tensor) -> int:
     """The images of a batch that could be read (not labelled SKIPPED), counted on the host, in the labels as the
     loader left them (before they go to the device: counting them there would make the host wait for it)."""
     return sum(label != SKIPPED for label in labels.tolist())

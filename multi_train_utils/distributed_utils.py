@@ -6,6 +6,7 @@ without asking which launch mode it runs under.
 """
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -21,17 +22,30 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from dataset.sampling import SeededBatchSampler
 from utils import UserError, number, warn
 
+_alone: list[bool] = []  # inside alone(): this process sums and broadcasts nothing with the others
+
 
 def is_dist_avail_and_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return dist.is_available() and dist.is_initialized() and not _alone
 
 
 def get_rank() -> int:
-    return dist.get_rank() if is_dist_avail_and_initialized() else 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def get_world_size() -> int:
     return dist.get_world_size() if is_dist_avail_and_initialized() else 1
+
+
+@contextlib.contextmanager
+def alone():
+    """Inside, this process computes as a world of one: rank 0 timing training steps for every rank while the others
+    wait for its choice (autotune/), its steps' sums its own."""
+    _alone.append(True)
+    try:
+        yield
+    finally:
+        _alone.pop()
 
 
 def is_main_process() -> bool:

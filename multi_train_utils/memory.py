@@ -1,5 +1,5 @@
 """What fits in the device's memory: the largest micro-batch a training pass can take (`--micro-batch auto`,
-measured by run/autotune.py before training), and the one line an out-of-memory error during training ends in.
+measured by autotune/choose.py before training), and the one line an out-of-memory error during training ends in.
 
 A step's batch is the recipe (`--batch-size`, with the learning rate and the schedule that go with it); how many of
 its images a forward and backward pass takes at once is not: a batch larger than the micro-batch is taken in
@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from model import unwrapped
+from network.architectures import unwrapped
 from utils import UserError
 
 
@@ -40,8 +40,8 @@ def largest_that_fits(fits, most: int) -> int:
     return low
 
 
-def pass_fits(model, compute, images: torch.Tensor, reserve: int = 0, train: bool = False) -> bool:
-    """Whether a forward and backward pass of `model` over `images` (in `compute`'s precision) fits in the
+def pass_fits(model, choice, images: torch.Tensor, reserve: int = 0, train: bool = False) -> bool:
+    """Whether a forward and backward pass of `model` over `images` (in `choice`'s precision) fits in the
     device's memory alongside `reserve` more bytes (what training holds besides, which the pass would not
     allocate: an optimizer's moments, DDP's gradient buckets). The gradients it makes are dropped and its memory
     given back either way. In eval mode unless `train` (a model of the run's own, whose statistics may change):
@@ -51,7 +51,7 @@ def pass_fits(model, compute, images: torch.Tensor, reserve: int = 0, train: boo
     held = None
     try:
         held = torch.empty(reserve, dtype=torch.uint8, device=images.device) if reserve else None
-        with torch.enable_grad(), compute.autocast(images.device):
+        with torch.enable_grad(), choice.autocast(images.device):
             model(images).float().sum().backward()
         return True
     except torch.OutOfMemoryError:
@@ -78,7 +78,7 @@ def out_of_memory(training, images: torch.Tensor):
     training.optimizer.zero_grad(set_to_none=True)
     if images.device.type == "cuda":
         torch.cuda.empty_cache()
-    fitting = largest_that_fits(lambda m: pass_fits(network, training.compute, images[:m]), size - 1) if size > 1 else 0
+    fitting = largest_that_fits(lambda m: pass_fits(network, training.choice, images[:m]), size - 1) if size > 1 else 0
     advice = (
         f"--micro-batch {fitting} fits now (or --micro-batch auto measures at the start)"
         if fitting

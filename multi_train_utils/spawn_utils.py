@@ -12,8 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import environment_number, find_free_port, resolve_device
-from multi_train_utils.stop_and_resume import STOP_SIGNALS
-from utils import UserError
+from utils import STOP_SIGNALS, UserError
 
 
 def spawn_world_size(requested: int | None, device: str | None) -> int:

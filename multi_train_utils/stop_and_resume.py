@@ -13,18 +13,15 @@ batches trained already (`Midway`); each step draws from a seed of its own (Epoc
 steps it trains draw what they would have drawn.
 """
 
-import atexit
 import contextlib
-import multiprocessing
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 from multi_train_utils.checkpoint import load_checkpoint, restore, save_atomically
 from multi_train_utils.distributed_utils import on_main_process, print_once
-from utils import OutputError
+from utils import STOP_SIGNALS, OutputError
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 noted: list[int] = []  # the stop signals this process received while they were noted
 
 
@@ -99,27 +96,6 @@ def stop_votes() -> list[float]:
 def agreed_signal(votes) -> int | None:
     """The stop signal the summed `votes` say some process received (the first, in STOP_SIGNALS' order), or None."""
     return next((signum for signum, vote in zip(STOP_SIGNALS, votes, strict=True) if vote > 0), None)
-
-
-def ignore_stop_signals(worker_id: int | None = None) -> None:
-    """A DataLoader's worker_init_fn: its loader processes ignore the stop signals, which reach them too when a
-    whole process group or job is signalled (SLURM signals every process of a job). The training process decides
-    when to stop; its loader processes end with it. Without this, torch's handler would end a loader process at
-    once, and the training process would fail on its next batch instead of saving the step."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-
-
-@atexit.register  # after multiprocessing's own exit handler, so that it runs first (atexit runs the last first)
-def end_loader_processes() -> None:
-    """At exit, end this process's loader processes that are still running (a loader's persistent workers whose
-    loader was never shut down, as when a stop signal ends the run) with SIGKILL. multiprocessing's own exit handler
-    would end them with SIGTERM, which they ignore (ignore_stop_signals), and then wait for them for ever: on torch
-    2.11 a run stopped by SIGTERM with persistent loader workers saved its step and never exited."""
-    for child in multiprocessing.active_children():
-        if child.daemon:  # a DataLoader's workers are; the spawn script's training processes are not
-            child.kill()
-            child.join()
 
 
 @contextlib.contextmanager

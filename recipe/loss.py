@@ -11,9 +11,9 @@ from torch import nn
 from torch.nn import functional as F
 from torchvision.transforms import v2
 
+from dataset.images import SKIPPED
 from dataset.sampling import sample_seed
 from dataset.transforms import normalise
-from my_dataset import SKIPPED
 
 
 def balanced_class_weights(labels: list[int], num_classes: int) -> torch.Tensor:

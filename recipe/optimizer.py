@@ -11,7 +11,8 @@ from torch import nn
 from torch.optim import lr_scheduler
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from model import layer_scales, norms_and_biases, unwrapped
+from network.architectures import unwrapped
+from network.groups import layer_scales, norms_and_biases
 
 
 def build_optimizer(model, config, batches_per_epoch: int, world_size: int = 1):

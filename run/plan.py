@@ -13,22 +13,16 @@ from pathlib import Path
 from dataset.demo import DEMO_DATA_PATH, make_demo_data
 from dataset.folders import DataSplit, read_split_data, split_fingerprint
 from dataset.image_check import ImageCheck
-from model import (
-    batch_statistics,
-    check_input_size,
-    create_model,
-    load_weights,
-    random_draws,
-    read_state_dict,
-    weights_file,
-)
+from model import check_input_size
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from multi_train_utils.distributed_utils import check_backend, launcher_environment
-from recipe.config import Config, admitted
+from network.architectures import batch_statistics, create_model, random_draws
+from network.weights import load_weights, read_state_dict, weights_file
+from run.config import Config, admitted
 from run.folder_lock import hold_run_folder
 from run.metrics import METRICS_NAME, read_metrics
-from run.trained import of_their_model
-from utils import UserError, check_writable, describe, readable, run_files_in
+from run.records import of_their_model
+from utils import UserError, check_writable, describe, printable, run_files_in
 
 
 @dataclass(frozen=True)
@@ -67,7 +61,7 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     if config.demo:
         make_demo_data(data_path)
     folder = config.output_dir or (config.resume.parent if config.resume else None)  # the run's, if named already
-    if folder is not None and readable(str(folder)) != str(folder):  # TensorBoard's writer encodes its path strictly
+    if folder is not None and printable(str(folder)) != str(folder):  # TensorBoard's writer encodes its path strictly
         raise UserError(f"output folder {folder} has a name that is not UTF-8, which TensorBoard cannot write into")
     check = ImageCheck(data_path, folder, shared=launcher_environment() is not None and world_size > 1)
     if check.shared:  # under torchrun every rank prepares: they share the image check
@@ -188,7 +182,7 @@ def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_s
 
 
 def run_record(checkpoint: Path, state: dict) -> dict:
-    """The checkpoint's record of its run ("args"), its flags through the command line's checks (recipe.config's
+    """The checkpoint's record of its run ("args"), its flags through the command line's checks (run.config's
     admitted: a record edited by hand is refused in one line, as its flags typed would be), with the number of
     processes it was saved by ("world_size") and the one its --batch-size and --lr are given for."""
     source = f"checkpoint {checkpoint}"

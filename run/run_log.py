@@ -15,17 +15,15 @@ from multi_train_utils.distributed_utils import print_once, warn_once
 from multi_train_utils.epoch_writer import EpochWriter, on_host
 from recipe.loss import describe_class_weights
 from recipe.optimizer import describe_learning_rate
-from recipe.precision import Compute, amp_flag
 from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before, read_metrics, skipped_note
 from run.tensorboard import Board
 from run.tracking import Tracking
 from utils import OutputError, describe, write_failure, write_json
 
 
-def announce(config, plan, process, workers: int, decoded: str) -> None:
-    """The run's first lines: how many processes on what, the data (`decoded`: whether its images were decoded
-    once into memory, dataset/in_memory.py's line), the learning rate, the class weights and whether the model is
-    compiled."""
+def announce(config, plan, process, choice, decoding_line: str) -> None:
+    """The run's first lines: how many processes on what, the data (`decoding_line`: whether its images were decoded
+    once into memory), the loader workers, the learning rate, the class weights and whether the model is compiled."""
     split = plan.split
     backend = f", backend {torch.distributed.get_backend()}" if process.distributed else ""
     print_once(f"{config.script}: {process.world_size} process(es) on {process.device.type}{backend}")
@@ -35,9 +33,10 @@ def announce(config, plan, process, workers: int, decoded: str) -> None:
         warn_once(f"skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
     print_once(
         f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
-        f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; {workers} loader workers per process"
+        f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; "
+        f"{choice.workers} loader workers per process"
     )
-    print_once(decoded)
+    print_once(decoding_line)
     lines = (describe_learning_rate(config, process.world_size), describe_class_weights(config, split))
     for line in (*lines, describe_compile(config)):
         if line is not None:
@@ -60,19 +59,18 @@ class RunLog:
     validation accuracy so far (`best_acc`), which each epoch brings up to date. Disabled (on every rank but 0 in
     DDP), it writes nothing."""
 
-    def __init__(self, config, plan, process, compute: Compute, preview_set, start_epoch, best_acc, enabled=True):
+    def __init__(self, config, plan, process, choice, preview_set, start_epoch, best_acc, enabled=True):
         self.enabled, self.output_dir, self.classes = enabled, plan.output_dir, plan.split.classes
-        self.compute, self.world_size, self.save_every = compute, process.world_size, config.save_every
+        self.choice, self.world_size, self.save_every = choice, process.world_size, config.save_every
         self.device, self.best_acc = process.device, best_acc
         self.checkpoint = plan.output_dir / CHECKPOINT_NAME
         self.writer, self.writing = EpochWriter(), -1  # the epoch whose files are being written in the background
         # The run's record (args.json, and each checkpoint's "args"): its flags and what was decided from them.
         self.record = config.record(
             data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=plan.output_dir,
-            world_size=process.world_size, device=str(process.device), channels_last=compute.channels_last,
-            amp=amp_flag(compute),  # what auto chose, so that predict.py and evaluate.py compute as the run did
-            micro_batch=compute.micro_batch,  # what auto chose (None: the whole batch)
-            batches="device" if compute.on_device else "loader",  # where the training batches were made
+            world_size=process.world_size, device=str(process.device), channels_last=choice.channels_last,
+            amp=choice.amp,  # what auto chose, so that predict.py and evaluate.py compute as the run did
+            micro_batch=choice.micro_batch, batches=choice.batches,  # what auto chose
             split=split_fingerprint(plan.split, plan.data_path),  # a resume checks it has the same images
             **plan.given,  # the run's --batch-size and --lr as given, and for how many processes
         )  # fmt: skip
@@ -104,7 +102,7 @@ class RunLog:
         self.wait_for_writes()  # the last epoch's files, written meanwhile: a failure to write them stops here
         waited = time.perf_counter() - started
         started = time.perf_counter()
-        predicted = self.board.predictions(model, self.compute)  # the preview's, with this epoch's weights
+        predicted = self.board.predictions(model, self.choice)  # the preview's, with this epoch's weights
         logging = time.perf_counter() - started
         started = time.perf_counter()
         keep = self.save_every > 0 and (epoch + 1) % self.save_every == 0

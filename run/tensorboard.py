@@ -8,8 +8,6 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
-from recipe.precision import Compute
-
 
 class Board:
     """A run's TensorBoard event file in `folder`, from `start_epoch` on (what a resumed run trains again is
@@ -24,13 +22,13 @@ class Board:
         self.pixels = (self.preview[0].permute(0, 2, 3, 1) / 255).numpy()  # 8-bit, as HxWx3 from 0 to 1
 
     @torch.no_grad()
-    def predictions(self, model, compute: Compute) -> list[int]:
+    def predictions(self, model, choice) -> list[int]:
         """The model's predicted class for each preview image, now (the weights of the epoch that just ended)."""
         images, _ = self.preview
         device = next(model.parameters()).device
         model.eval()
-        with compute.autocast(device):
-            return model(compute.batch_to(images, device)).argmax(dim=1).tolist()
+        with choice.autocast(device):
+            return model(choice.batch_to(images, device)).argmax(dim=1).tolist()
 
     def epoch(self, metrics: dict, best_acc: float, predicted: list[int], classes: list[str]) -> None:
         """The epoch's scalars and prediction grid (the preview images titled with `predicted`), flushed, so that a

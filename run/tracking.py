@@ -31,7 +31,7 @@ import torch
 
 from machine import describe_cpu, physical_memory
 from read_back import misfits, read_json
-from recipe.config import Config
+from run.config import Config
 from run.metrics import epoch_accuracy
 from utils import UserError, in_brief, warn, write_json
 

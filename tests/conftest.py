@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from dataset.demo import make_demo_data  # noqa: E402
 from machine import available_cores, cpu_bfloat16  # noqa: E402
 
-# What auto would measure (run/autotune.py), pinned, so that no test run spends time measuring unless it
+# What auto would measure (autotune/choose.py), pinned, so that no test run spends time measuring unless it
 # tests measuring: the precision and layout the suite has always trained in (bfloat16 where the CPU computes it
 # natively, NCHW at its 32 px), no loader worker, and the batches made on the device (the CPU here: the scripts'
 # path on a GPU; the tests of the loader's path give --batches loader).
@@ -389,7 +389,7 @@ def files_of_this_session(tmp_path_factory):
     tests of measuring), never in the user's cache; and each torchrun's folder of logs and error files, which it
     would otherwise make in /tmp and leave there (torchrun reads --log-dir from PET_LOG_DIR). Every script a test
     starts inherits the settings."""
-    from run.autotune import CACHE_ENV  # here: xdist's controller, which loads this file too, imports no model
+    from autotune.remembered import CACHE_ENV  # here: xdist's controller, which loads this file too, imports no model
 
     os.environ[CACHE_ENV] = str(tmp_path_factory.getbasetemp() / "autotune.json")
     os.environ["PET_LOG_DIR"] = str(tmp_path_factory.getbasetemp() / "torchrun_logs")

@@ -1,4 +1,4 @@
-"""Epochs that start at once (dataset/ahead.py): the next pass of a loader started as the last one ends."""
+"""Epochs that start at once (my_dataset.py): the next pass of a loader started as the last one ends."""
 
 import time
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dataset.ahead import EpochsAhead
 from multi_train_utils.distributed_utils import shuffled_batches
+from my_dataset import EpochsAhead
 
 pytestmark = pytest.mark.fast  # loader workers, no script started, nothing trained
 

@@ -1,4 +1,4 @@
-"""auto measures instead of guessing (run/autotune.py): it chooses the fastest of what it timed, remembers the
+"""auto measures instead of guessing (autotune/choose.py): it chooses the fastest of what it timed, remembers the
 choice for the machine, torch and configuration, measures anew when any of them differ or --remeasure says so,
 never measures what a flag gives, and under DDP measures once for every rank."""
 
@@ -14,24 +14,32 @@ import torch
 from conftest import final_weights, run_here, run_script
 from spawn_world import spawn_world
 
+from autotune import choose as autotune
+from autotune import remembered, timing
+from autotune.choose import choose, choose_workers
+from autotune.remembered import CACHE_ENV, cache_file
 from dataset.folders import read_split_data
 from machine import available_cores
+from multi_train_utils.train_eval_utils import Choice
 from my_dataset import datasets
-from recipe.config import Config
-from recipe.precision import Compute, short_name
-from run import autotune
-from run.autotune import CACHE_ENV, Choice, cache_file, choose_workers, tune
+from run.config import Config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-FP32, FP32_CL = Compute(None, False), Compute(None, True)
-BF16, BF16_CL = Compute(torch.bfloat16, False), Compute(torch.bfloat16, True)
+FP32, FP32_CL = Choice("off", False), Choice("off", True)
+BF16, BF16_CL = Choice("bf16", False), Choice("bf16", True)
 AUTO = Config(model="resnet18", img_size=32, batch_size=8, workers=0, batches="loader")  # precision, layout: auto
-NOT_LOADED = None  # the training set tune times loading on: these tests give --workers, or fake its timing
+NOT_LOADED = None  # the training set choose times loading on: these tests give --workers, or fake its timing
+
+
+def tuned(choice: Choice) -> tuple[int, Choice]:
+    """What these tests compare of a choice: (its loader workers, how it computes: precision, layout, micro-batch,
+    where the batches are made). Its compute threads are this machine's share of cores, not compared."""
+    return choice.workers, replace(choice, workers=0, threads=None)
 
 
 @pytest.fixture
 def plan(tmp_path):
-    """The part of a Plan that tune reads: the classes (for the model's head) and the data folder."""
+    """The part of a Plan that choose reads: the classes (for the model's head) and the data folder."""
     return SimpleNamespace(split=SimpleNamespace(classes=list("abcde")), data_path=tmp_path / "data", saved=None)
 
 
@@ -79,20 +87,20 @@ def forbid_measuring(monkeypatch):
 @pytest.mark.fast
 def test_auto_chooses_the_fastest_of_what_it_measured(machine, plan, capsys, fastest):
     machine.seconds[fastest] = 0.5
-    workers, compute = tune(AUTO, plan, CPU, 1, NOT_LOADED)
+    workers, compute = tuned(choose(AUTO, plan, CPU, 1, NOT_LOADED))
     assert compute == fastest and workers == 0
     assert machine.timed == [[FP32, BF16, FP32_CL, BF16_CL]]  # every candidate, NCHW first
     printed = capsys.readouterr().out
-    assert f"Auto: chose {short_name(fastest)}, the fastest" in printed
+    assert f"Auto: chose {fastest.name()}, the fastest" in printed
     assert f"in img/s: float32 NCHW {1 / machine.seconds[FP32]:.1f}, " in printed  # what it measured
-    assert f"{short_name(fastest)} 2.0" in printed
+    assert f"{fastest.name()} 2.0" in printed
     assert "(--amp auto: the fastest measured); memory layout" in printed and "(auto: the fastest measured)" in printed
 
 
 @pytest.mark.fast
 def test_turns_keep_each_candidates_fastest_step_and_stop_at_the_measuring_budget(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr(autotune, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def run(seconds: dict, run_steps: float) -> dict:
         samples = {candidate: iter(times) for candidate, times in seconds.items()}
@@ -102,7 +110,7 @@ def test_turns_keep_each_candidates_fastest_step_and_stop_at_the_measuring_budge
             clock[0] += taken
             return taken
 
-        return autotune.take_turns(steps, list(seconds), 1, run_steps)
+        return timing.take_turns(steps, list(seconds), 1, run_steps)
 
     seconds = {FP32: [9.0, 1.0, 1.2, 0.9], BF16: [9.0, 2.0, 1.5, 1.9]}  # an untimed first step, then three
     assert run(seconds, run_steps=10_000) == {FP32: 0.9, BF16: 1.5}  # a long run: every round, the fastest of each
@@ -113,10 +121,10 @@ def test_turns_keep_each_candidates_fastest_step_and_stop_at_the_measuring_budge
 @pytest.mark.fast
 def test_the_second_run_takes_the_remembered_choice_without_measuring(machine, plan, capsys, monkeypatch):
     machine.seconds[BF16_CL] = 0.5
-    first = tune(AUTO, plan, CPU, 1, NOT_LOADED)
+    first = tuned(choose(AUTO, plan, CPU, 1, NOT_LOADED))
     assert "Auto: remembered in " + str(cache_file()) in capsys.readouterr().out
     forbid_measuring(monkeypatch)
-    assert tune(AUTO, plan, CPU, 1, NOT_LOADED) == first == (0, BF16_CL)
+    assert tuned(choose(AUTO, plan, CPU, 1, NOT_LOADED)) == first == (0, BF16_CL)
     printed = capsys.readouterr().out
     assert "Auto: bfloat16 channels_last, 0 loader workers, as measured on " in printed and "timed" not in printed
     [entry] = json.loads(cache_file().read_text())["entries"]
@@ -130,14 +138,14 @@ def test_the_second_run_takes_the_remembered_choice_without_measuring(machine, p
 )
 @pytest.mark.fast
 def test_another_machine_torch_or_configuration_is_measured_anew(machine, plan, monkeypatch, change):
-    tune(AUTO, plan, CPU, 1, NOT_LOADED)
+    choose(AUTO, plan, CPU, 1, NOT_LOADED)
     config, processes = AUTO, 1
     if change == "processor":
-        monkeypatch.setattr(autotune, "cpu_name", lambda: "Some Other CPU")
+        monkeypatch.setattr(remembered, "cpu_name", lambda: "Some Other CPU")
     elif change == "instruction set cap":
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     elif change == "cores":
-        monkeypatch.setattr(autotune, "available_cores", lambda: 64)
+        monkeypatch.setattr(remembered, "available_cores", lambda: 64)
     elif change == "torch":
         monkeypatch.setattr(torch, "__version__", "9.9.9")
     elif change == "processes":
@@ -145,19 +153,19 @@ def test_another_machine_torch_or_configuration_is_measured_anew(machine, plan, 
     else:
         field = {"image size": "img_size", "batch size": "batch_size", "model": "model"}[change]
         config = replace(AUTO, **{field: {"img_size": 64, "batch_size": 16, "model": "resnet50"}[field]})
-    tune(config, plan, CPU, processes, NOT_LOADED)
+    choose(config, plan, CPU, processes, NOT_LOADED)
     assert len(machine.timed) == 2  # measured again...
     assert len(json.loads(cache_file().read_text())["entries"]) == 2  # ...and both choices kept
 
 
 @pytest.mark.fast
 def test_remeasure_measures_again_and_replaces_the_remembered_choice(machine, plan):
-    assert tune(AUTO, plan, CPU, 1, NOT_LOADED)[1] == FP32
+    assert tuned(choose(AUTO, plan, CPU, 1, NOT_LOADED))[1] == FP32
     machine.seconds[BF16] = 0.1  # the machine has changed (say, another BIOS setting)
-    assert tune(AUTO, plan, CPU, 1, NOT_LOADED)[1] == FP32  # remembered
-    assert tune(replace(AUTO, remeasure=True), plan, CPU, 1, NOT_LOADED)[1] == BF16
+    assert tuned(choose(AUTO, plan, CPU, 1, NOT_LOADED))[1] == FP32  # remembered
+    assert tuned(choose(replace(AUTO, remeasure=True), plan, CPU, 1, NOT_LOADED))[1] == BF16
     assert len(machine.timed) == 2
-    assert tune(AUTO, plan, CPU, 1, NOT_LOADED)[1] == BF16  # the new choice replaced the old
+    assert tuned(choose(AUTO, plan, CPU, 1, NOT_LOADED))[1] == BF16  # the new choice replaced the old
     assert len(json.loads(cache_file().read_text())["entries"]) == 1
 
 
@@ -165,7 +173,7 @@ def test_remeasure_measures_again_and_replaces_the_remembered_choice(machine, pl
 def test_flags_that_say_everything_are_never_measured_nor_remembered(machine, plan, capsys, monkeypatch):
     forbid_measuring(monkeypatch)
     pinned = replace(AUTO, amp="bf16", channels_last=True, workers=0, remeasure=True)
-    assert tune(pinned, plan, CPU, 1, NOT_LOADED) == (0, BF16_CL)
+    assert tuned(choose(pinned, plan, CPU, 1, NOT_LOADED)) == (0, BF16_CL)
     printed = capsys.readouterr().out
     assert printed == (
         "Precision: bfloat16 autocast (--amp bf16); memory layout channels_last (--channels-last)\n"
@@ -176,15 +184,19 @@ def test_flags_that_say_everything_are_never_measured_nor_remembered(machine, pl
 
 @pytest.mark.fast
 def test_a_given_flag_is_not_measured_and_the_rest_is(machine, plan, monkeypatch):
-    assert tune(replace(AUTO, amp="off"), plan, CPU, 1, NOT_LOADED)[1] == FP32  # the layout alone is timed
-    assert tune(replace(AUTO, channels_last=True), plan, CPU, 1, NOT_LOADED)[1] == FP32_CL  # the precision alone
+    assert tuned(choose(replace(AUTO, amp="off"), plan, CPU, 1, NOT_LOADED))[1] == FP32  # the layout alone is timed
+    assert (
+        tuned(choose(replace(AUTO, channels_last=True), plan, CPU, 1, NOT_LOADED))[1] == FP32_CL
+    )  # the precision alone
     assert machine.timed == [[FP32, FP32_CL], [FP32_CL, BF16_CL]]
     # On a GPU with precision and layout given, the step is timed all the same: the workers must keep up with it
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
     monkeypatch.setattr(autotune, "time_loading", lambda train_set, *how: 0.002)
     monkeypatch.setattr(autotune, "cores_per_process", lambda processes_here: 8)
     machine.seconds[BF16] = 0.001  # seconds per image
-    workers, compute = tune(replace(AUTO, amp="bf16", channels_last=False, workers=None), plan, CUDA, 1, NOT_LOADED)
+    workers, compute = tuned(
+        choose(replace(AUTO, amp="bf16", channels_last=False, workers=None), plan, CUDA, 1, NOT_LOADED)
+    )
     assert compute == BF16 and machine.timed[-1] == [BF16]
     assert workers == 3  # loading 1.5 times as fast as training: 1.5 x 2 ms / 1 ms
 
@@ -193,7 +205,7 @@ def test_a_given_flag_is_not_measured_and_the_rest_is(machine, plan, monkeypatch
 def test_a_cache_file_that_is_not_ours_is_measured_over(machine, plan):
     cache_file().parent.mkdir(parents=True)
     cache_file().write_text("not json {")
-    assert tune(AUTO, plan, CPU, 1, NOT_LOADED)[1] == FP32
+    assert tuned(choose(AUTO, plan, CPU, 1, NOT_LOADED))[1] == FP32
     assert len(json.loads(cache_file().read_text())["entries"]) == 1
 
 
@@ -201,7 +213,8 @@ def test_a_cache_file_that_is_not_ours_is_measured_over(machine, plan):
 def test_runs_remembering_at_once_keep_every_choice(monkeypatch, tmp_path):
     path = tmp_path / "autotune.json"
     keys = [{"img_size": size} for size in range(8)]
-    threads = [threading.Thread(target=autotune.remember, args=(path, key, Choice("off", False, 0))) for key in keys]
+    facts = {"measured": {}, "load_ms": None, "seconds": 0.0, "date": ""}
+    threads = [threading.Thread(target=remembered.remember, args=(path, key, Choice(), facts)) for key in keys]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -217,8 +230,8 @@ def test_the_cache_file_is_in_the_users_cache_folder_unless_relocated(monkeypatc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_file() == tmp_path / "xdg" / "flower-training" / "autotune.json"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert cache_file() == autotune.Path.home() / ".cache" / "flower-training" / "autotune.json"
-    monkeypatch.setattr(autotune, "ON_WINDOWS", True)
+    assert cache_file() == remembered.Path.home() / ".cache" / "flower-training" / "autotune.json"
+    monkeypatch.setattr(remembered, "ON_WINDOWS", True)
     monkeypatch.setenv("LOCALAPPDATA", str(tmp_path / "local"))
     assert cache_file() == tmp_path / "local" / "flower-training" / "autotune.json"
 
@@ -242,7 +255,7 @@ def test_loader_workers_from_the_measured_loading_and_step(device, share, step_m
 
 
 def _tune_in_rank(rank, world_size, cache, results):
-    """In each rank of a gloo group: tune with timings that differ by rank (were rank 1 to measure, it would choose
+    """In each rank of a gloo group: choose with timings that differ by rank (were rank 1 to measure, it would choose
     otherwise); writes what it chose and whether it measured."""
     os.environ[CACHE_ENV] = str(cache)
     timed = []
@@ -257,8 +270,8 @@ def _tune_in_rank(rank, world_size, cache, results):
     for cap in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         os.environ.pop(cap, None)
     plan = SimpleNamespace(split=SimpleNamespace(classes=list("abcde")), data_path=cache.parent, saved=None)
-    workers, compute = tune(AUTO, plan, CPU, world_size, NOT_LOADED)
-    (results / str(rank)).write_text(json.dumps([short_name(compute), workers, timed]))
+    workers, compute = tuned(choose(AUTO, plan, CPU, world_size, NOT_LOADED))
+    (results / str(rank)).write_text(json.dumps([compute.name(), workers, timed]))
 
 
 def test_under_ddp_rank_0_measures_and_every_rank_trains_as_it_chose(tmp_path):
@@ -295,9 +308,9 @@ def test_a_run_with_auto_measures_and_remembers_and_the_next_starts_at_once(tiny
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_auto_times_its_candidates(plan, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "autotune.json"))
-    workers, compute = tune(AUTO, plan, torch.device("cuda", 0), 1, NOT_LOADED)
+    workers, compute = tuned(choose(AUTO, plan, torch.device("cuda", 0), 1, NOT_LOADED))
     entry = json.loads((tmp_path / "autotune.json").read_text())["entries"][0]
-    assert short_name(compute) == max(entry["choice"]["measured"], key=entry["choice"]["measured"].get)
+    assert compute.name() == max(entry["choice"]["measured"], key=entry["choice"]["measured"].get)
     assert entry["key"]["gpu"] == torch.cuda.get_device_name(0) and workers == 0
     assert "on cuda (cuda:0)" in capsys.readouterr().out
 
@@ -313,16 +326,16 @@ def test_auto_makes_the_batches_where_it_measured_them_faster_says_so_and_rememb
     monkeypatch.setattr(autotune, "device_batches_possible", lambda *args: (True, room))
     monkeypatch.setattr(autotune, "device_seconds_per_image", lambda *args: making)
     monkeypatch.setattr(autotune, "time_loading", lambda train_set, *how: 0.002)
-    monkeypatch.setattr(autotune, "steps_per_epoch", lambda *args: 10)
-    monkeypatch.setattr(autotune, "held_bytes", lambda *args: 1000)
+    monkeypatch.setattr(autotune, "held_size", lambda *args: (1000, 8, 8))
+    plan.split.train_images = ["image.jpg"] * 80  # 10 steps an epoch
     config = replace(AUTO, batches="auto")
-    workers, compute = tune(config, plan, CPU, 1, NOT_LOADED)
+    workers, compute = tuned(choose(config, plan, CPU, 1, NOT_LOADED))
     printed = capsys.readouterr().out
     assert compute.on_device is on_device and workers == 0
     assert f"Auto: batches made {'on the device' if on_device else 'by the loader'}: there " in printed
     if on_device:
         assert f"Batches: made on the device (--batches auto), from the training images held there: {room}" in printed
-    assert tune(config, plan, CPU, 1, NOT_LOADED)[1].on_device is on_device  # remembered
+    assert tuned(choose(config, plan, CPU, 1, NOT_LOADED))[1].on_device is on_device  # remembered
     assert "batches made on the device, as measured on" in capsys.readouterr().out or not on_device
 
 
@@ -333,13 +346,14 @@ def test_a_loader_worker_is_timed_as_it_delivers_batches_so_a_slower_collation_s
     counts. A collation made 50 ms a batch slower (substituted) is measured so, and on a GPU auto starts more
     workers to keep ahead of the same step. (20 ms, within 10 %, failed once on a loaded 2-core CI machine: the
     difference measured was 2.22 ms an image against 2.25 asked; a timing's noise is not what this checks.)"""
-    train_set = datasets(read_split_data(tiny_data), Config(img_size=32, batch_size=8))[0]
-    quick = autotune.time_loading(train_set, 8)
+    config = Config(img_size=32, batch_size=8)
+    train_set = datasets(read_split_data(tiny_data), config)[0]
+    quick = timing.time_loading(train_set, config, CPU)
     collate = torch.utils.data._utils.collate.default_collate
     monkeypatch.setattr(
         torch.utils.data._utils.collate, "default_collate", lambda batch: time.sleep(0.05) or collate(batch)
     )
-    slow = autotune.time_loading(train_set, 8)
+    slow = timing.time_loading(train_set, config, CPU)
     assert slow >= quick + 0.8 * 0.05 / 8  # 6.25 ms an image more, 5 asked
     gpu, step = torch.device("cuda"), 0.0005  # a GPU step of 0.5 ms an image; 16 cores
     assert autotune.choose_workers(gpu, 16, step, slow)[0] > autotune.choose_workers(gpu, 16, step, quick)[0]

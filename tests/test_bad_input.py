@@ -8,11 +8,11 @@ from conftest import FAST, PINNED, assert_user_error, run_here
 from torchvision.models import mobilenet_v3_small
 
 from dataset.folders import write_class_indices
-from model import create_model
 from multi_train_utils.checkpoint import save_epoch, training_state
 from multi_train_utils.train_eval_utils import Training
-from recipe.config import SINGLE, parse_config
+from network.architectures import create_model
 from recipe.optimizer import build_optimizer
+from run.config import SINGLE, parse_config
 from utils import write_json
 
 

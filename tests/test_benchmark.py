@@ -9,9 +9,9 @@ import pytest
 from conftest import SMALL_MODEL, run_script
 from PIL import Image
 
-from recipe.precision import Compute
-from run.autotune import CACHE_ENV
-from tools import benchmark
+from autotune.remembered import CACHE_ENV
+from multi_train_utils.train_eval_utils import Choice
+from tools import benchmark, compute_peak, fresh_rows, script_rows
 from utils import UserError
 
 
@@ -21,13 +21,13 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
         "tools/benchmark.py",
         *("--data-path", tiny_data, "--output-dir", out, "--img-size", "32", "--batch-size", "8", *SMALL_MODEL),
         *("--epochs", "2", "--steps", "1", "--loader-images", "16", "--device", "cpu"),
-        *("--rows", "model-only,loop,loader,baseline,fixed"),  # no DDP, no demo; auto runs whatever --rows says
+        *("--rows", "model-only,loader,baseline,fixed"),  # no DDP, no demo; auto runs whatever --rows says
         *("--fixed", "float32-nchw"),  # one fixed configuration beside auto (each is a run of the script)
     )
     assert result.returncode == 0, result.stderr
     results = json.loads((out / "benchmark.json").read_text())
     rows = results["rows"]
-    kinds = ["model-only"] * 3 + ["loop", "loader", "loader", "baseline", "fixed", "auto"]
+    kinds = ["model-only"] * 2 + ["loader", "loader", "baseline", "fixed", "auto"]
     assert [row["kind"] for row in rows] == kinds
     assert results["settings"]["rows"] == list(dict.fromkeys(kinds)) and results["complete"] is True
     for row in rows:
@@ -36,12 +36,10 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
             assert row["peak_fraction"] is None
         else:
             assert 0 < row["peak_fraction"] < 1  # of the measured compute peak of its precision
-    # the ceiling alone runs without a host synchronisation in its loop; the other loops read each step's loss
-    assert [row["host_sync_each_step"] for row in rows[:4]] == [False, True, False, True]
     # one worker, then the training scripts' count on this machine as auto chose it (at least one)
     scripts = results["settings"]["workers"]
-    assert [row["workers"] for row in rows[4:6]] == [1, max(1, scripts)]
-    assert rows[4]["img_per_sec_per_worker"] == rows[4]["img_per_sec"]
+    assert [row["workers"] for row in rows[2:4]] == [1, max(1, scripts)]
+    assert rows[2]["img_per_sec_per_worker"] == rows[2]["img_per_sec"]
     baseline, fixed, single = rows[-3:]
     assert baseline["precision"] == fixed["precision"] == "float32, NCHW" and single["epoch_seconds"] > 0
     # auto measured in its run, in the benchmark's own cache; the rows without a script computed as it chose
@@ -59,7 +57,8 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     assert settings["model"] == SMALL_MODEL[1] and result.stdout.startswith(f"Benchmark: {SMALL_MODEL[1]}, 32 px")
     for name in ("auto", "baseline", "fixed-float32-nchw"):
         assert json.loads((out / "runs" / name / "args.json").read_text())["model"] == SMALL_MODEL[1]
-    assert settings["training_flops_per_image"] == benchmark.training_flops_per_image(SMALL_MODEL[1], 32)  # 0.22 GFLOP
+    flops = compute_peak.training_flops_per_image(SMALL_MODEL[1], 32)  # 0.22 GFLOP
+    assert settings["training_flops_per_image"] == flops
     assert (
         "| train_single_gpu.py, auto (batches " in result.stdout
         and "Compute peak (the faster of matrix products and convolutions): float32" in result.stdout
@@ -68,7 +67,6 @@ def test_a_small_benchmark_measures_every_single_process_row_and_writes_its_file
     assert "against the best fixed configuration (float32, NCHW): " in result.stdout
     assert "of the model-only ceiling" in result.stdout and "x the original's setup" in result.stdout
     assert "| loader, 1 worker | 1 | – |" in result.stdout and f"loader with {max(1, scripts)} worker" in result.stdout
-    assert "loss.item() each step costs" in result.stdout
     with Image.open(out / "benchmark.png") as png:
         assert png.format == "PNG" and png.width >= 600
     rerun = run_main("tools/benchmark.py", "--data-path", tiny_data, "--output-dir", out, "--skip-ddp")
@@ -86,15 +84,14 @@ def fake_measurements(monkeypatch, out, fail_at=None) -> list[list[str]]:
     process starts, the names of the rows then in out/benchmark.json; the row `fail_at` (counted from 0) fails."""
     on_disk = []
 
-    def measure(name, target, mode, *args):
+    def measure(name, target, *args):
         on_disk.append([row["name"] for row in json.loads((out / "benchmark.json").read_text())["rows"]])
         if len(on_disk) - 1 == fail_at:
             raise UserError(f"{name}: its process failed")
-        return {"img_per_sec": 100.0 if mode == "bare" else 80.0, "host_sync_each_step": mode != "bare",
-                "peak_rss_mib": 500}  # fmt: skip
+        return {"img_per_sec": 100.0, "peak_rss_mib": 500}
 
-    monkeypatch.setattr(benchmark, "auto_run", lambda args: (dict(AUTO_FIGURES), Compute(), 0))
-    monkeypatch.setattr(benchmark, "in_fresh_process", measure)
+    monkeypatch.setattr(script_rows, "auto_run", lambda args: (dict(AUTO_FIGURES), Choice()))
+    monkeypatch.setattr(fresh_rows, "in_fresh_process", measure)
     monkeypatch.setattr(benchmark, "measure_peaks", lambda computes, device: {"float32": 1e12})
     monkeypatch.setattr(benchmark, "training_flops_per_image", lambda model, img_size: 1e9)
     monkeypatch.setenv(CACHE_ENV, os.environ[CACHE_ENV])  # main points it at its own file: restored after the test
@@ -112,16 +109,15 @@ def test_rows_selects_kinds_and_each_row_is_on_disk_before_the_next_starts(tiny_
     on_disk = fake_measurements(monkeypatch, out)
     benchmark.main(small_benchmark(tiny_data, out, "--rows", "model-only"))  # auto runs whatever --rows says
     auto = "train_single_gpu.py, auto (batches by the loader)"
-    ceiling, synced = "model only (the ceiling)", "model only, loss.item() each step"
-    assert on_disk == [[auto], [ceiling, auto], [ceiling, synced, auto]]  # in the table's order, auto last
+    ceiling = "model only (the ceiling)"
+    assert on_disk == [[auto], [ceiling, auto]]  # in the table's order, auto last
     results = json.loads((out / "benchmark.json").read_text())
-    assert [row["kind"] for row in results["rows"]] == ["model-only"] * 3 + ["auto"]
+    assert [row["kind"] for row in results["rows"]] == ["model-only"] * 2 + ["auto"]
     assert results["settings"]["rows"] == ["model-only", "auto"] and results["complete"] is True
     printed = capsys.readouterr().out
     # each row's line as it is measured; "× baseline" stays "–" without a baseline row
     assert printed.count("| model only (the ceiling) | 1 | float32, NCHW | 100.0 | – |") == 2  # then in the table
     assert "single process >= 90 % of the model-only ceiling: 90% (met)" in printed
-    assert "loss.item() each step costs 20% of the ceiling's speed (no target)" in printed
     for target in (
         "the original's setup (float32 only)",
         "torchrun >= 0.8x one process",
@@ -133,7 +129,7 @@ def test_rows_selects_kinds_and_each_row_is_on_disk_before_the_next_starts(tiny_
 @pytest.mark.fast
 def test_a_benchmark_stopped_midway_leaves_the_rows_it_finished(tiny_data, tmp_path, monkeypatch):
     out = tmp_path / "bench"
-    fake_measurements(monkeypatch, out, fail_at=2)  # the third model-only row fails
+    fake_measurements(monkeypatch, out, fail_at=2)  # the third row of a fresh process (the compile row) fails
     with pytest.raises(SystemExit) as stopped:
         benchmark.main(small_benchmark(tiny_data, out, "--skip-ddp", "--skip-demo"))
     assert stopped.value.code == 2
@@ -157,11 +153,11 @@ def test_predict_is_measured_last_in_one_process_and_under_torchrun_beside_the_t
         commands.append(script)
         return {"img_per_sec": 300.0 if name == "predict-1" else 240.0, "run_seconds": 5.0}
 
-    monkeypatch.setattr(benchmark, "run_predict", run_predict)
-    monkeypatch.setattr(benchmark, "as_run", lambda args, name, peaks: ("float32, NCHW", 1e12))  # auto's, faked
+    monkeypatch.setattr(script_rows, "run_predict", run_predict)
+    monkeypatch.setattr(script_rows, "chosen", lambda args, name: Choice())  # auto's, faked
     benchmark.main(small_benchmark(tiny_data, out, "--rows", "model-only,predict"))
     rows = json.loads((out / "benchmark.json").read_text())["rows"]
-    assert [row["kind"] for row in rows] == ["model-only"] * 3 + ["auto", "predict", "predict"]
+    assert [row["kind"] for row in rows] == ["model-only"] * 2 + ["auto", "predict", "predict"]
     assert [(row["processes"], row["training_step_img_per_sec"]) for row in rows[-2:]] == [(1, 100.0), (2, 100.0)]
     assert commands[0][-1].endswith("predict.py") and commands[1][:2] == ["-m", "torch.distributed.run"]
     assert (
@@ -172,9 +168,9 @@ def test_predict_is_measured_last_in_one_process_and_under_torchrun_beside_the_t
 
 @pytest.mark.fast
 def test_the_targets_of_rows_not_measured_say_so():
-    auto = benchmark.row("train_single_gpu.py, auto", "auto", 1, "float32, NCHW", dict(AUTO_FIGURES), 1e12, 1e9)
+    auto = compute_peak.row("train_single_gpu.py, auto", "auto", 1, "float32, NCHW", dict(AUTO_FIGURES), 1e12, 1e9)
     lines = benchmark.against_targets([auto], native_bf16=False) + benchmark.auto_targets([auto])
     measured = [line for line in lines if not line.endswith(": not measured")]
     assert measured == ["auto's measuring took 4.0 s of its first run's 20 s (no target)"]
-    assert len(lines) == 11  # every target, measured or not
+    assert len(lines) == 10  # every target, measured or not
     assert "| train_single_gpu.py, auto | 1 | float32, NCHW | 90.0 | – | 9% |" in benchmark.markdown_table([auto])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.config import SINGLE, Config, parse_config
+from run.config import SINGLE, Config, parse_config
 from utils import UserError
 
 pytestmark = pytest.mark.fast

@@ -1,21 +1,23 @@
 """MyDataSet: every image mode becomes a 3-channel 8-bit tensor; augmentation follows the per-sample seed; images
 decoded once into memory give exactly what their files give."""
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from PIL import Image
 
 import dataset.in_memory as decoding
-from dataset.images import load_rgb
+from dataset.images import SKIPPED, load_rgb
 from dataset.in_memory import decode_once, in_chunks
-from dataset.sampling import SeededBatchSampler, SeededSamples, sample_seed
+from dataset.sampling import SeededBatchSampler, sample_seed
 from dataset.transforms import normalise, train_transform, val_transform
 from multi_train_utils.distributed_utils import Process
-from my_dataset import SKIPPED, MyDataSet
+from my_dataset import MyDataSet
 
 pytestmark = pytest.mark.fast  # no script started, no training run
 
@@ -57,7 +59,7 @@ def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
 
 def test_augmentation_is_a_function_of_the_sample_seed(tmp_path):
     path = save(tmp_path / "image", "RGB")
-    dataset = SeededSamples(MyDataSet([path], [0], train_transform(24)))
+    dataset = MyDataSet([path], [0], train_transform(24))
     first, _ = dataset[(0, 1234)]
     torch.manual_seed(99)  # the global generator must not matter
     again, _ = dataset[(0, 1234)]
@@ -134,12 +136,12 @@ def test_images_decoded_once_give_exactly_the_items_their_files_give(tmp_path, t
         if transform == "train"
         else val_transform(48)
     )
-    from_files = SeededSamples(MyDataSet(paths, list(range(len(paths))), preset))
-    in_memory = SeededSamples(MyDataSet(paths, list(range(len(paths))), preset))
-    line = decode_once([in_memory.dataset], gigabytes=1)
+    from_files = MyDataSet(paths, list(range(len(paths))), preset)
+    in_memory = MyDataSet(paths, list(range(len(paths))), preset)
+    line = decode_once([in_memory], gigabytes=1)
     assert line.startswith("Images: 5 decoded once into memory")
     assert load_rgb(paths[1]).size == (60, 90)  # the sideways JPEG, turned upright as its EXIF says
-    assert in_memory.dataset.decoded.offsets[-1] == -1  # the broken file: read (and skipped) at its turn, as before
+    assert in_memory.decoded.offsets[-1] == -1  # the broken file: read (and skipped) at its turn, as before
     for index in range(len(paths)):
         for seed in (1, 2, 3):
             (expected, expected_label), (got, label) = from_files[(index, seed)], in_memory[(index, seed)]
@@ -154,6 +156,16 @@ def test_the_decoding_threads_take_the_images_in_chunks_and_give_the_results_in_
         assert in_chunks(pool, lambda i: i, []) == []
 
 
+@contextlib.contextmanager
+def group_of_one():
+    """A process group (gloo) of this process alone, for the collectives of the code inside."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def test_images_are_decoded_once_only_where_they_fit_the_memory_budget(tmp_path, monkeypatch):
     paths = varied_images(tmp_path)[1:5]
     data = MyDataSet(paths, [0] * len(paths), val_transform(32))
@@ -163,7 +175,9 @@ def test_images_are_decoded_once_only_where_they_fit_the_memory_budget(tmp_path,
     assert data.decoded is None and "they would take 0.0 GB, more than the 0.0 GB of --image-cache-gb" in line
     # By default a quarter of the memory the run may use (machine.memory_limit), shared among its processes here
     monkeypatch.setattr(decoding, "memory_limit", lambda: (4 * needed, "SLURM's --mem, SLURM_MEM_PER_NODE"))
-    line = decode_once([data], None, Process(local_world_size=2))
+    monkeypatch.setattr(decoding, "SHARED_FOLDERS", [tmp_path])
+    with group_of_one():  # decode_once meets the other processes of its machine (here: none) in the group
+        line = decode_once([data], None, Process(local_world_size=2))
     assert "decoded from their files" in line and data.decoded is None
     assert f"of the {4 * needed / 1e9:.1f} GB this run may use (SLURM's --mem, SLURM_MEM_PER_NODE)" in line
     line = decode_once([data], None, Process())

@@ -8,10 +8,10 @@ from wiring import loaders
 
 from dataset.folders import read_split_data
 from dataset.transforms import normalise, val_transform
-from model import create_model
 from multi_train_utils.sync_batchnorm import SyncBatchNorm2d
 from multi_train_utils.train_eval_utils import evaluate
 from my_dataset import MyDataSet
+from network.architectures import create_model
 
 VAL_RATE = 7 / 12  # tiny_data has 12 images per class: 7 of each validate, 35 in all, which neither 2 nor 3 divides
 

@@ -25,8 +25,8 @@ from dataset.folders import read_split_data
 from multi_train_utils.checkpoint import restore, training_state
 from multi_train_utils.distributed_utils import reduce_value
 from multi_train_utils.train_eval_utils import Training, train_one_epoch
-from recipe.config import Config
 from recipe.optimizer import build_optimizer
+from run.config import Config
 from run.plan import per_process_recipe
 from utils import UserError
 

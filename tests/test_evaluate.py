@@ -12,10 +12,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import evaluate
 from dataset.demo import make_demo_data
 from dataset.folders import list_images, read_split_data, write_class_indices
+from dataset.images import SKIPPED
 from dataset.transforms import normalise, val_transform
-from model import create_model
 from multi_train_utils.train_eval_utils import evaluate as evaluate_loop
-from my_dataset import SKIPPED, MyDataSet
+from my_dataset import MyDataSet
+from network.architectures import create_model
 from utils import UserError
 
 

@@ -18,8 +18,8 @@ from torchvision.models import resnet18
 import export
 from dataset.folders import read_split_data, write_class_indices
 from dataset.transforms import normalise, val_transform
-from model import create_model
 from my_dataset import MyDataSet
+from network.architectures import create_model
 from utils import UserError
 
 CLASSES = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]  # tiny_data's
@@ -63,7 +63,7 @@ def pytorch_logits(run, images) -> tuple[torch.Tensor, torch.Tensor]:
     model = resnet18(num_classes=len(CLASSES))
     model.load_state_dict(torch.load(run / "weights" / "best.pth", weights_only=True))
     batch, _ = next(iter(DataLoader(MyDataSet(images, [0] * len(images), val_transform(32)), batch_size=len(images))))
-    batch = normalise(batch)  # as Compute.batch_to does on the device
+    batch = normalise(batch)  # as Choice.batch_to does on the device
     with torch.no_grad():
         return model.eval()(batch), batch
 

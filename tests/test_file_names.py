@@ -20,7 +20,7 @@ import evaluate
 import predict
 import train_single_gpu
 from dataset.folders import read_split_data, split_fingerprint
-from run.results import Row, read_results, results_file
+from inference.results import Row, read_results, results_file
 from utils import entry_point
 
 # (the output's capture fixtures are read out before each use: what an example before printed is left behind)

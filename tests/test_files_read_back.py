@@ -25,23 +25,24 @@ from hypothesis import strategies as st
 from torch import nn
 
 import evaluate
+from autotune import choose as autotune
+from autotune.choose import cached_or_measured
+from autotune.remembered import read_entries
 from dataset.demo import make_demo_data
 from dataset.folders import read_split_data, split_fingerprint, write_class_indices
 from dataset.image_check import CHECK_LOCK, CHECKED_IMAGES, ImageCheck, read_verdicts
-from model import create_model
+from inference.trained import load_trained_model
 from multi_train_utils.checkpoint import load_checkpoint, save_atomically, training_state
 from multi_train_utils.stop_and_resume import resume_from
-from multi_train_utils.train_eval_utils import Training
+from multi_train_utils.train_eval_utils import Choice, Training
+from network.architectures import create_model
 from read_back import safe_load
-from recipe.config import Config
 from recipe.optimizer import build_optimizer
-from run import autotune
-from run.autotune import Choice, cached_or_measured, read_entries
+from run.config import Config
 from run.folder_lock import RUN_LOCK, hold_run_folder
 from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before
 from run.plan import prepare
 from run.tracking import TRACKED_RUN_NAME, read_tracked_run
-from run.trained import load_trained_model
 from utils import UserError, write_json
 
 pytestmark = pytest.mark.fast
@@ -171,7 +172,12 @@ def assert_refused_naming(call, name: str) -> bool:
 
 
 AUTO = Config(model="resnet18", img_size=32, batch_size=8, workers=0)
-MEASURED = Choice("off", False, 0, {"fp32": 100.0}, None, 0.5, "2026-11-24", ("Auto: measured",))
+# measure's answer: the choice, the lines saying so, and the facts it was decided from
+MEASURED = (
+    Choice("off", False, workers=0),
+    ["Auto: measured"],
+    {"measured": {"fp32": 100.0}, "load_ms": None, "seconds": 0.5, "date": "2026-11-24"},
+)
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +187,7 @@ def autotune_file(tmp_path_factory):
     plan = SimpleNamespace(data_path=folder / "data", split=SimpleNamespace(classes=list("abcde")))
     with mock.patch.object(autotune, "cache_file", return_value=folder / "autotune.json"):
         with mock.patch.object(autotune, "measure", return_value=MEASURED):
-            cached_or_measured(AUTO, plan, CPU, 1, None, (False, ""))
+            cached_or_measured(AUTO, plan, CPU, 1, None, False)
     return (folder / "autotune.json").read_bytes(), plan
 
 
@@ -193,13 +199,13 @@ def test_a_damaged_autotune_cache_is_measured_again_with_one_warning_and_replace
     with damaged_copy("autotune.json", damage) as folder, mock.patch.object(autotune, "cache_file") as cache:
         path = cache.return_value = folder / "autotune.json"
         with mock.patch.object(autotune, "measure", return_value=MEASURED) as measure:
-            choice, warnings = warnings_of(lambda: cached_or_measured(AUTO, plan, CPU, 1, None, (False, "")))
+            (choice, _), warnings = warnings_of(lambda: cached_or_measured(AUTO, plan, CPU, 1, None, False))
             assert (choice.amp, choice.channels_last, choice.workers) == ("off", False, 0)
             assert len(warnings) <= 1 and all("autotune.json" in line for line in warnings)
             if cut_inside_json(damage, original):
                 assert len(warnings) == 1 and measure.called
             assert len(read_entries(path)) >= 1  # replaced by a whole file, or left whole
-            again, warnings = warnings_of(lambda: cached_or_measured(AUTO, plan, CPU, 1, None, (False, "")))
+            (again, _), warnings = warnings_of(lambda: cached_or_measured(AUTO, plan, CPU, 1, None, False))
             assert again.amp == "off" and not warnings and measure.call_count <= 1
 
 

@@ -16,9 +16,9 @@ from conftest import FAST, fault_env, processes_with, run_here, run_script, torc
 from torch import nn
 
 from dataset.folders import read_split_data
+from dataset.images import SKIPPED
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.train_eval_utils import Training, evaluate, train_one_epoch
-from my_dataset import SKIPPED
 from utils import UserError
 
 DISK_FULL_AT_EPOCH_1 = "fsize:1:1000000"  # from epoch 1 on, no file may pass 1 MB: the weights (tens of MB) cannot

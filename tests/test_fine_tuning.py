@@ -19,11 +19,13 @@ from test_host_syncs import TwoRanks
 from torch import nn
 from torchvision.models import efficientnet_b0, resnet18
 
-from model import create_model, enable_grad_checkpointing, layer_scales, model_skeleton, norms_and_biases
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.train_eval_utils import Training, optimizer_step
-from recipe.config import Config
+from network.architectures import create_model, model_skeleton
+from network.checkpointing import enable_grad_checkpointing
+from network.groups import layer_scales, norms_and_biases
 from recipe.optimizer import build_optimizer
+from run.config import Config
 
 # --clip-grad-norm ------------------------------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ from dataset.transforms import IMAGENET_STD
 from multi_train_utils.distributed_utils import shuffled_batches
 from multi_train_utils.spawn_utils import find_free_port
 from my_dataset import TrainingBatches, datasets
-from recipe.config import Config
+from run.config import Config
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,22 +16,21 @@ from torch.utils.data import DataLoader
 
 import multi_train_utils.bookkeeping as bookkeeping
 import multi_train_utils.train_eval_utils as train_eval_utils
-from dataset.sampling import SeededSamples
 from multi_train_utils import stop_and_resume
 from multi_train_utils.checkpoint import load_checkpoint, restore, save_atomically, training_state
 from multi_train_utils.distributed_utils import shuffled_batches, single_process
 from multi_train_utils.stop_and_resume import Midway, StopRequested, resume_from, stop_signals_noted
-from multi_train_utils.train_eval_utils import Training, train_one_epoch
-from recipe.config import Config
+from multi_train_utils.train_eval_utils import Choice, Training, train_one_epoch
 from recipe.optimizer import build_optimizer
-from recipe.precision import Compute
+from run.config import Config
 from run.metrics import epoch_metrics
 
 pytestmark = pytest.mark.fast
 
 
 class Images:
-    """16 small random images of 2 classes, as a dataset of (image, label)."""
+    """16 small random images of 2 classes, as a dataset of (image, label), asked for as (index, seed) as the
+    scripts' training sets are (nothing of it is drawn at random: the seed goes unused)."""
 
     def __init__(self):
         generator = torch.Generator().manual_seed(0)
@@ -41,7 +40,8 @@ class Images:
     def __len__(self):
         return 16
 
-    def __getitem__(self, index):
+    def __getitem__(self, item):
+        index, _ = item
         return self.images[index], self.labels[index]
 
 
@@ -59,7 +59,7 @@ def fresh_training() -> Training:
 
 def loader(images: Images | None = None):
     """Seeded batches of 4 of `images` (Images()), as the scripts' training loaders give them (a SeededBatchSampler)."""
-    dataset = SeededSamples(Images() if images is None else images)
+    dataset = Images() if images is None else images
     return DataLoader(dataset, batch_sampler=shuffled_batches(dataset, 4, seed=0))
 
 
@@ -127,9 +127,9 @@ class SlowImages(Images):
         super().__init__()
         self.clock = clock
 
-    def __getitem__(self, index):
+    def __getitem__(self, item):
         self.clock.now += 0.25
-        return super().__getitem__(index)
+        return super().__getitem__(item)
 
 
 def test_a_resumed_epochs_time_and_speed_count_its_training_before_the_stop_and_not_the_time_stopped(monkeypatch):
@@ -162,7 +162,7 @@ def dropout_masks(rank: int, monkeypatch) -> list[torch.Tensor]:
     """The dropout masks of an epoch's steps on process `rank`."""
     monkeypatch.setattr(bookkeeping, "get_rank", lambda: rank)
     masks, dropout = [], nn.Dropout(0.5)
-    for _ in bookkeeping.EpochSteps(fresh_training(), [None] * 3, torch.device("cpu"), epoch=0):
+    for _ in bookkeeping.EpochBooks(fresh_training(), [None] * 3, torch.device("cpu"), epoch=0).steps():
         masks.append(dropout(torch.ones(64)))
     return masks
 
@@ -208,14 +208,14 @@ def test_training_on_a_gpu_lets_cudnn_time_its_convolution_algorithms(monkeypatc
     assert not torch.backends.cudnn.benchmark
 
 
-@pytest.mark.parametrize("saved_amp", [torch.bfloat16, None], ids=["bf16", "float32"])
+@pytest.mark.parametrize("saved_amp", ["bf16", "off"], ids=["bf16", "float32"])
 def test_a_checkpoint_trained_without_float16_resumes_with_float16s_gradient_scaler(saved_amp, tmp_path):
     cpu = torch.device("cpu")
     saved = fresh_training()
-    saved.scaler = Compute(saved_amp).grad_scaler(cpu)  # off: its state is empty
+    saved.scaler = Choice(saved_amp).grad_scaler(cpu)  # off: its state is empty
     save_atomically(training_state(0, saved.model, saved, 0.5, ["a", "b"], 1, {}), tmp_path / "checkpoint.pth")
     resumed = fresh_training()
-    resumed.compute, resumed.scaler = Compute(torch.float16), Compute(torch.float16).grad_scaler(cpu)
+    resumed.choice, resumed.scaler = Choice("fp16"), Choice("fp16").grad_scaler(cpu)
     assert restore(load_checkpoint(tmp_path / "checkpoint.pth"), resumed.model, resumed) == (1, 0.5)
     assert resumed.scaler.is_enabled() and resumed.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale()
     batches = [(torch.randn(4, 3, 4, 4), torch.tensor([0, 1, 0, 1])) for _ in range(2)]

@@ -24,15 +24,14 @@ from wiring import model_as_trained, resnet10, training_as_built
 
 import model as model_module
 import multi_train_utils.sync_batchnorm as sync_batchnorm
+from dataset.images import SKIPPED
 from dataset.in_memory import DecodedImages
-from dataset.sampling import SeededSamples
 from dataset.transforms import train_transform, val_transform
 from multi_train_utils.distributed_utils import shuffled_batches
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
-from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
-from my_dataset import SKIPPED, MyDataSet, TrainingBatches, ValidationBatches
-from recipe.config import Config
-from recipe.precision import AMP_DTYPES, Compute
+from multi_train_utils.train_eval_utils import Choice, evaluate, train_one_epoch
+from my_dataset import MyDataSet, TrainingBatches, ValidationBatches
+from run.config import Config
 
 pytestmark = [
     # the EMA deep-copies the model, and torch's Tensor.__deepcopy__ looks at a fake tensor's (absent) data pointer
@@ -86,13 +85,13 @@ def batches(count: int, size: int = 4, pixels: int = 32) -> Batches:
 
 
 def built(device: torch.device, amp: str, switches: dict):
-    """(the training, the unwrapped model, its Compute) as train_single_gpu.py builds them, for a ResNet of one
+    """(the training, the unwrapped model, its Choice) as train_single_gpu.py builds them, for a ResNet of one
     block a stage (tests/wiring.py's resnet10: every kind of layer of --model resnet18, each op on fake tensors a
     fraction of a millisecond); with sync_bn, its BatchNorm synchronised as in DDP."""
     switches = dict(switches)
     sync_bn, channels_last = switches.pop("sync_bn", False), switches.pop("channels_last", False)
     config = Config(model="resnet18", img_size=32, batch_size=4, epochs=4, weight_decay=1e-4, **switches)
-    compute = Compute(AMP_DTYPES[amp], channels_last, config.micro_batch)  # 3 of 4: micro-batches of 3 and 1
+    compute = Choice(amp, channels_last, config.micro_batch)  # 3 of 4: micro-batches of 3 and 1
     with mock.patch.object(model_module, "create_model", resnet10):
         trained, model = model_as_trained(CLASSES, compute, model=config.model, device=device)
     if sync_bn:
@@ -101,7 +100,7 @@ def built(device: torch.device, amp: str, switches: dict):
     return training_as_built(config, plan, trained, model, batches(2), device, compute), model, compute
 
 
-def epochs_of(kind: str, training, model, compute: Compute, device: torch.device, **limits):
+def epochs_of(kind: str, training, model, compute: Choice, device: torch.device, **limits):
     """run(data): an epoch on the batches `data`, of training ("train": the next epoch each call) or of
     validation ("validate", with `limits`: evaluate's max_skipped)."""
     if kind == "validate":
@@ -110,7 +109,7 @@ def epochs_of(kind: str, training, model, compute: Compute, device: torch.device
     return lambda data: train_one_epoch(training, data, device, next(epochs))
 
 
-def made_on_device(kind: str, device: torch.device, compute: Compute):
+def made_on_device(kind: str, device: torch.device, compute: Choice):
     """data(count): `count` batches of 4 made on `device` as the scripts make them there (dataset/on_device.py):
     training batches cropped and flipped from images held on the device, or validation images held there, from
     images decoded in memory (held_data)."""
@@ -124,7 +123,7 @@ def made_on_device(kind: str, device: torch.device, compute: Compute):
     return data
 
 
-def held_data(count: int, pixels: int = 32) -> tuple[SeededSamples, MyDataSet]:
+def held_data(count: int, pixels: int = 32) -> tuple[MyDataSet, MyDataSet]:
     """(training set, validation set) of `count` images of various sizes around 40 x 48, decoded in memory (no
     files), with the scripts' transforms at `pixels`."""
     generator = torch.Generator().manual_seed(0)
@@ -136,7 +135,7 @@ def held_data(count: int, pixels: int = 32) -> tuple[SeededSamples, MyDataSet]:
     sets = MyDataSet(names, labels, train_transform(pixels)), MyDataSet(names, labels, val_transform(pixels))
     for data in sets:
         data.decoded = DecodedImages(flat, offsets, shapes)
-    return SeededSamples(sets[0]), sets[1]
+    return sets[0], sets[1]
 
 
 def waits_per_epoch(

@@ -26,13 +26,13 @@ from test_equivalence import RECIPE, TOLERANCE, max_difference, snapshot
 from wiring import built_once, group_norm_resnet10, model_as_trained, resnet10
 
 import model as model_module
-from model import create_model
+from autotune import choose as autotune
+from autotune import timing
 from multi_train_utils import memory
-from multi_train_utils.train_eval_utils import Training, train_one_epoch
-from recipe.config import Config
+from multi_train_utils.train_eval_utils import Choice, Training, train_one_epoch
+from network.architectures import DEFAULT_MODEL, create_model
 from recipe.optimizer import build_optimizer
-from recipe.precision import Compute
-from run import autotune
+from run.config import Config
 
 B, PIECE, SIZE, STEPS, LR = 4, 2, 16, 3, 0.0005  # a rank's batch, its micro-batch, pixels, batches, --lr
 ACCUMULATE = 2  # batches a step sums: with STEPS 3, a step of two batches (three backward passes in no_sync), then
@@ -85,7 +85,7 @@ def trained_ways(rank: int, world_size: int) -> dict:
             # --accumulate k at --lr x size/B: the rate of the step (build_optimizer scales it by k)
             config = Config(lr=LR * size / B, accumulate=accumulate, **RECIPE)
             optimizer, _ = build_optimizer(model, config, 1, world_size=world_size)
-            training = Training(model, optimizer, compute=Compute(micro_batch=piece), accumulate=accumulate)
+            training = Training(model, optimizer, choice=Choice(micro_batch=piece), accumulate=accumulate)
             result = results[name] = {"initial": snapshot(bare)}
             result["loss"] = train_one_epoch(training, rank_batches(rank, world_size, size), "cpu", 0)
             result["state"] = snapshot(bare)
@@ -158,12 +158,12 @@ class SmallMemory:
     def __init__(self, monkeypatch):
         self.searched = []
 
-        def built(num_classes, name=model_module.DEFAULT_MODEL):
+        def built(num_classes, name=DEFAULT_MODEL):
             network = create_model(num_classes, name)
             network.register_forward_pre_hook(self.check)
             return network
 
-        for where in (model_module, autotune):
+        for where in (model_module, timing):
             monkeypatch.setattr(where, "create_model", built)
         monkeypatch.setattr(memory, "memory_limited", lambda device: True)
         monkeypatch.setattr(autotune, "memory_limited", lambda device: True)
@@ -173,7 +173,7 @@ class SmallMemory:
             self.searched.append(len(images))
             return real(model, compute, images, *args, **kwargs)
 
-        monkeypatch.setattr(autotune, "pass_fits", counted)
+        monkeypatch.setattr(timing, "pass_fits", counted)
         monkeypatch.setattr(memory, "pass_fits", counted)
 
     @staticmethod

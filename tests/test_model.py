@@ -23,14 +23,8 @@ from torchvision.models import ResNet34_Weights, resnet18, resnet34, resnet50
 from wiring import built_once
 
 from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD, normalise, val_transform
-from model import (
-    IMAGENET,
-    create_model,
-    freeze_all_but_head,
-    imagenet_weights_file,
-    load_weights,
-    weights_file,
-)
+from network.architectures import IMAGENET, create_model, freeze_all_but_head
+from network.weights import imagenet_weights_file, load_weights, weights_file
 from utils import UserError
 
 pytestmark = pytest.mark.fast  # no script started, no training run
@@ -284,7 +278,7 @@ def test_the_dataset_prepares_images_as_the_imagenet_weights_expect():
     assert (tuple(official.mean), tuple(official.std)) == (IMAGENET_MEAN, IMAGENET_STD)
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 400, 3), dtype=np.uint8))
     one_level = 1 / 255 / min(IMAGENET_STD)  # resizing PIL images or uint8 tensors may round a pixel differently
-    ours = normalise(val_transform(224)(image))  # the loader's 8-bit crop, normalised as Compute.batch_to does
+    ours = normalise(val_transform(224)(image))  # the loader's 8-bit crop, normalised as Choice.batch_to does
     torch.testing.assert_close(ours, official(image), rtol=0, atol=one_level * 1.01)
 
 

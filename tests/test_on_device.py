@@ -14,16 +14,16 @@ from torchvision.transforms.v2 import functional as F
 from wiring import loaders
 
 import dataset.on_device as on_device
+from autotune.choose import choose_batches
 from dataset.crop_boxes import draw, drawn_by_the_transforms
 from dataset.folders import read_split_data
 from dataset.on_device import resampled_by_matrices, resampling_taps
 from dataset.sampling import sample_seed, sample_seeds
-from recipe.precision import Compute
-from run.batches import choose_batches
+from multi_train_utils.train_eval_utils import Choice
 
 pytestmark = pytest.mark.fast
 EXAMPLES = settings(max_examples=25, derandomize=True, deadline=None, database=None)
-ON_DEVICE, BY_LOADER = Compute(on_device=True), Compute()
+ON_DEVICE, BY_LOADER = Choice(batches="device"), Choice()
 SEEDS = st.integers(0, 2**63 - 1)
 
 
@@ -89,7 +89,7 @@ def test_each_epochs_boxes_and_flips_on_the_device_are_the_loaders_integers(tiny
     for rank in range(world_size):
         made = {}
         for name, compute in (("loader", BY_LOADER), ("device", ON_DEVICE)):
-            train_loader, _ = loaders(split, 32, 4, seed=3, world_size=world_size, rank=rank, compute=compute)
+            train_loader, _ = loaders(split, 32, 4, seed=3, world_size=world_size, rank=rank, choice=compute)
             with monkeypatch.context() as patches:
                 made[name] = [recorded_boxes(patches, train_loader, epoch) for epoch in (0, 1)]
         assert made["device"] == made["loader"] and len(made["loader"][0]) == len(train_loader) * 4
@@ -102,15 +102,13 @@ def test_the_cpus_training_batches_made_on_the_device_are_the_loaders_bitwise(ti
     either layout, are the loader's bit for bit (so a run's batches do not depend on --batches there)."""
     split = read_split_data(tiny_data)
     for rank in range(world_size):
-        made = [
-            loaders(split, 32, 4, 3, world_size=world_size, rank=rank, compute=c)[0] for c in (BY_LOADER, ON_DEVICE)
-        ]
+        made = [loaders(split, 32, 4, 3, world_size=world_size, rank=rank, choice=c)[0] for c in (BY_LOADER, ON_DEVICE)]
         for epoch in (0, 1):
             for loader in made:
                 loader.batch_sampler.set_epoch(epoch)
             for (a, labels_a), (b, labels_b) in zip(*made, strict=True):
                 assert a.dtype == b.dtype == torch.uint8 and torch.equal(a, b) and torch.equal(labels_a, labels_b)
-                for layout in (Compute(), Compute(channels_last=True)):
+                for layout in (Choice(), Choice(channels_last=True)):
                     assert torch.equal(layout.batch_to(a, "cpu"), layout.batch_to(b, "cpu"))
 
 
@@ -133,8 +131,8 @@ def test_crops_resampled_by_a_gpus_matrices_are_torchvisions_resized_crop_to_rou
     box_h, box_w = rng.integers(5, height + 1, 48), rng.integers(5, width + 1, 48)
     top, left = rng.integers(0, height - box_h + 1), rng.integers(0, width - box_w + 1)
     flipped, index = rng.random(48) < 0.5, np.arange(48) % len(images)
-    box = map(torch.from_numpy, (index, top, left, box_h, box_w, flipped))
-    ours = resampled_by_matrices(held, taps, *box, size)
+    rows = torch.from_numpy(np.stack([index, top, left, box_h, box_w, flipped], axis=1).astype(np.int64))
+    ours = resampled_by_matrices(held, taps, rows, size)
     differences = []
     for i in range(48):
         theirs = F.resized_crop(images[index[i]], *map(int, (top[i], left[i], box_h[i], box_w[i])), [size, size])
@@ -150,7 +148,7 @@ def test_crops_resampled_by_a_gpus_matrices_are_torchvisions_resized_crop_to_rou
 def test_validation_batches_held_on_the_device_are_the_loaders_pixel_for_pixel(tiny_data):
     split = read_split_data(tiny_data)
     for rank in range(2):
-        made = [loaders(split, 32, 4, 0, world_size=2, rank=rank, compute=c)[1] for c in (BY_LOADER, ON_DEVICE)]
+        made = [loaders(split, 32, 4, 0, world_size=2, rank=rank, choice=c)[1] for c in (BY_LOADER, ON_DEVICE)]
         loader, held = ([(images.clone(), labels.clone()) for images, labels in batches] for batches in made)
         assert len(loader) == len(held) == len(made[1])
         for (a, labels_a), (b, labels_b) in zip(loader, held, strict=True):
@@ -160,8 +158,8 @@ def test_validation_batches_held_on_the_device_are_the_loaders_pixel_for_pixel(t
 def test_the_ranks_batches_made_on_the_device_are_the_shards_of_one_processs_global_batch(tiny_data):
     """DDP on 2 x B images a step and one process on 2B: each step's images, image by image, bitwise."""
     split = read_split_data(tiny_data)
-    single = loaders(split, 32, 8, 5, compute=ON_DEVICE)[0]
-    ranks = [loaders(split, 32, 4, 5, world_size=2, rank=rank, compute=ON_DEVICE)[0] for rank in range(2)]
+    single = loaders(split, 32, 8, 5, choice=ON_DEVICE)[0]
+    ranks = [loaders(split, 32, 4, 5, world_size=2, rank=rank, choice=ON_DEVICE)[0] for rank in range(2)]
     for loader in (single, *ranks):
         loader.batch_sampler.set_epoch(1)
     for (whole, labels), *shards in zip(single, *ranks, strict=True):

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from multi_train_utils.distributed_utils import launcher_environment
-from recipe.config import SCRIPTS, Config, parse_config
+from run.config import SCRIPTS, Config, parse_config
 from run.plan import run_record
 from utils import UserError
 

@@ -22,20 +22,19 @@ from torch import nn
 
 import machine
 import utils
+from autotune.choose import amp_candidates, compute_candidates
 from dataset.sampling import step_seed
-from multi_train_utils.bookkeeping import EpochSteps
+from multi_train_utils.bookkeeping import EpochBooks
 from multi_train_utils.checkpoint import load_checkpoint, restore, save_atomically, training_state
 from multi_train_utils.distributed_utils import MPS_IN_DDP, init_distributed_mode, resolve_device, single_process
-from multi_train_utils.train_eval_utils import Training
-from recipe.precision import Compute
-from run.autotune import amp_candidates, compute_candidates
+from multi_train_utils.train_eval_utils import Choice, Training
 from run.metrics import peak_memory
 from utils import UserError, write_atomically
 
 WINDOWS_LIKE = {"PYTHONPATH": f"{ROOT / 'tests' / 'windows_like'}{os.pathsep}{ROOT}"}
 # One epoch of tiny images, with one loader worker per loader: a worker process started by spawn.
 ONE_EPOCH = ["--img-size", "32", "--batch-size", "8", "--epochs", "1", "--device", "cpu", "--workers", "1"]
-ONE_EPOCH += [*SMALL_MODEL, *PINNED_COMPUTE]  # nothing left to measure (run/autotune.py)
+ONE_EPOCH += [*SMALL_MODEL, *PINNED_COMPUTE]  # nothing left to measure (autotune/choose.py)
 MPS, CPU = torch.device("mps"), torch.device("cpu")
 
 
@@ -220,7 +219,7 @@ def test_training_on_mps_seeds_the_mps_generator_each_step_and_calls_no_cuda_fun
 
     model, training = model_and_training(0)
     seeds.clear()  # torch.manual_seed's
-    assert [step for step, _ in EpochSteps(training, [None] * 3, MPS, epoch=2)] == [0, 1, 2]
+    assert [step for step, _ in EpochBooks(training, [None] * 3, MPS, epoch=2).steps()] == [0, 1, 2]
     assert seeds == [step_seed(0, 2, step, 0) for step in range(3)]  # the step's own seed, on the mps generator
     save_atomically(training_state(4, model, training, 0.5, ["a", "b"], 1, {"device": "mps"}), tmp_path / "c.pth")
     resumed_model, resumed_training = model_and_training(1)
@@ -236,7 +235,7 @@ def test_peak_memory_on_mps_calls_no_cuda_function(mac_with_cuda_forbidden):
 @pytest.mark.fast
 def test_amp_auto_on_mps_is_float32_and_says_why_while_the_layout_is_measured(mac_with_cuda_forbidden):
     assert amp_candidates("auto", MPS) == (["off"], "--amp auto: autocast on mps is not measured here")
-    assert compute_candidates("auto", None, MPS) == [Compute(None, channels_last=False), Compute(None, True)]
+    assert compute_candidates("auto", None, MPS) == [Choice("off", channels_last=False), Choice("off", True)]
 
 
 @pytest.mark.fast

@@ -10,11 +10,16 @@ from conftest import ROOT, fault_env, run_here, run_script
 from torch import nn
 from wiring import model_as_trained
 
+from autotune.choose import amp_candidates, compute_candidates, precision_line
 from dataset.demo import make_demo_data
+from dataset.folders import write_class_indices
 from dataset.transforms import normalise
-from multi_train_utils.train_eval_utils import Training, evaluate, train_one_epoch
-from recipe.precision import AMP_DTYPES, Compute, choose_compute
-from run.autotune import amp_candidates, compute_candidates
+from inference.trained import load_trained_model
+from multi_train_utils.checkpoint import save_atomically
+from multi_train_utils.train_eval_utils import Choice, Training, evaluate, train_one_epoch
+from network.architectures import create_model
+from run.config import Config
+from utils import write_json
 
 CPU = torch.device("cpu")
 
@@ -25,23 +30,22 @@ def fixed_batches(steps, size=32, batch=4):
     return [(images, labels)] * steps
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
 @pytest.mark.fast
-def test_mixed_precision_steps_learn_a_fixed_batch(dtype):
+def test_mixed_precision_steps_learn_a_fixed_batch(amp):
     # ResNet-18: the same layers as the default ResNet-34 (convolutions, BatchNorm, the head) in half the depth
-    model, _ = model_as_trained(5, Compute(channels_last=True), model="resnet18")
+    model, _ = model_as_trained(5, Choice(channels_last=True), model="resnet18")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     # The scale starts at 2**10, not the default 2**16, which spends the first steps halving itself on overflows.
-    scaler = torch.amp.GradScaler("cpu", init_scale=2**10, enabled=dtype == torch.float16)
-    compute = Compute(dtype, channels_last=True)
-    training = Training(model, optimizer, compute=compute, scaler=scaler)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2**10, enabled=amp == "fp16")
+    training = Training(model, optimizer, choice=Choice(amp, channels_last=True), scaler=scaler)
     # 16 px: every layer still computes (layer4 on 1 x 1 pixels), at a third less of the time 32 px takes
     first, _ = train_one_epoch(training, fixed_batches(1, size=16), CPU, 0)
     train_one_epoch(training, fixed_batches(5, size=16), CPU, 0)
     last, _ = train_one_epoch(training, fixed_batches(1, size=16), CPU, 0)
     assert last < 0.5 * first, (first, last)  # memorising 4 images: the loss falls steeply
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())  # master weights
-    if dtype == torch.float16:
+    if amp == "fp16":
         assert scaler.get_scale() > 1  # the scaler is active, and has not collapsed to nothing
 
 
@@ -50,19 +54,19 @@ def test_channels_last_computes_what_nchw_computes():
     torch.manual_seed(0)
     images = torch.randn(4, 3, 64, 64)
     nchw = model_as_trained(5)[0].eval()
-    nhwc = model_as_trained(5, Compute(channels_last=True))[0].eval()
+    nhwc = model_as_trained(5, Choice(channels_last=True))[0].eval()
     assert nhwc.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     assert not nchw.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         expected = nchw(images)
-        got = nhwc(Compute(channels_last=True).batch_to(images, CPU))
+        got = nhwc(Choice(channels_last=True).batch_to(images, CPU))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.fast
 def test_an_8_bit_batch_arrives_normalised_in_the_layout_asked_for():
     images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
-    got = Compute(channels_last=True).batch_to(images, CPU)
+    got = Choice(channels_last=True).batch_to(images, CPU)
     assert got.dtype == torch.float32 and got.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(got, normalise(images))
 
@@ -75,7 +79,7 @@ def test_bfloat16_evaluation_agrees_with_float32_on_nearly_every_image():
     # A network that has seen some data, so that its predictions are not all near-ties.
     train_one_epoch(Training(model, torch.optim.SGD(model.parameters(), lr=0.01)), fixed_batches(3, batch=32), CPU, 0)
     fp32 = evaluate(model, batches, CPU, 5)
-    bf16 = evaluate(model, batches, CPU, 5, Compute(torch.bfloat16, channels_last=True))
+    bf16 = evaluate(model, batches, CPU, 5, Choice("bf16", channels_last=True))
     assert int(fp32.sum()) == int(bf16.sum()) == 32
     assert abs(int(fp32.trace()) - int(bf16.trace())) <= 2
 
@@ -122,7 +126,7 @@ def test_amp_auto_times_bfloat16_only_where_the_device_has_its_instructions(
     device = torch.device("cuda", 0) if gpu_capability else CPU
     candidates, reason = amp_candidates(amp, device)
     assert candidates == expected and reason.startswith(f"--amp {amp}")
-    assert compute_candidates(amp, True, device) == [Compute(AMP_DTYPES[a], channels_last=True) for a in expected]
+    assert compute_candidates(amp, True, device) == [Choice(a, channels_last=True) for a in expected]
 
 
 @pytest.mark.parametrize(
@@ -150,7 +154,9 @@ def test_amp_auto_honours_the_caps_that_make_torch_compute_like_an_avx2_cpu(
 
 
 def test_under_the_avx2_caps_auto_considers_float32_alone_on_any_cpu():
-    code = "import torch; from run.autotune import amp_candidates; print(amp_candidates('auto', torch.device('cpu')))"
+    code = (
+        "import torch; from autotune.choose import amp_candidates; print(amp_candidates('auto', torch.device('cpu')))"
+    )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -161,19 +167,22 @@ def test_under_the_avx2_caps_auto_considers_float32_alone_on_any_cpu():
 @pytest.mark.fast
 def test_auto_times_both_layouts_and_a_flag_pins_one(device):
     device = torch.device(device)
-    assert compute_candidates("off", None, device) == [Compute(None, channels_last=False), Compute(None, True)]
+    assert compute_candidates("off", None, device) == [Choice("off", channels_last=False), Choice("off", True)]
     for flag, name in ((True, "--channels-last"), (False, "--no-channels-last")):
-        assert compute_candidates("off", flag, device) == [Compute(None, flag)]
-        compute, line = choose_compute("off", flag, device)
-        assert compute == Compute(None, flag) and line.endswith(f"({name})")
+        assert compute_candidates("off", flag, device) == [Choice("off", flag)]
+        line = precision_line(Choice("off", flag), Config(amp="off", channels_last=flag), device)
+        assert line.endswith(f"({name})")
 
 
 @pytest.mark.fast
-def test_without_measuring_auto_is_the_originals_float32_nchw():
-    compute, line = choose_compute("auto", None, CPU)  # predicting with a run recorded before auto measured
-    assert compute == Compute() and line == (
-        "Precision: float32 (--amp auto: not measured); memory layout NCHW (auto: not measured)"
-    )
+def test_without_measuring_auto_is_the_originals_float32_nchw(tmp_path):
+    # Predicting with a run recorded before auto measured: its args.json says "auto" for the precision and layout
+    save_atomically(create_model(2, "squeezenet1_1").state_dict(), tmp_path / "weights" / "best.pth")
+    write_class_indices(["a", "b"], tmp_path)
+    write_json(tmp_path / "args.json", Config(model="squeezenet1_1").record())  # --amp auto, channels_last None
+    trained = load_trained_model(tmp_path / "weights" / "best.pth", None, CPU)
+    assert trained.choice == Choice("off", channels_last=False)
+    assert not trained.model.features[0].weight.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_a_float16_run_saves_its_gradient_scaler_and_resumes_with_it(tmp_path):
@@ -194,6 +203,6 @@ def test_a_float16_run_saves_its_gradient_scaler_and_resumes_with_it(tmp_path):
 
 @pytest.mark.fast
 def test_every_module_of_the_model_is_converted_to_channels_last():
-    model = model_as_trained(5, Compute(channels_last=True))[0]
+    model = model_as_trained(5, Choice(channels_last=True))[0]
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
     assert convs and all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs)

@@ -14,9 +14,9 @@ from torchvision.models import get_model
 import predict
 from dataset.folders import read_split_data
 from dataset.transforms import val_transform
-from model import create_model
+from multi_train_utils.train_eval_utils import Choice
 from my_dataset import MyDataSet
-from recipe.precision import choose_compute
+from network.architectures import create_model
 from utils import UserError
 
 
@@ -34,11 +34,11 @@ def probabilities_in_process(weights, images, run_args: dict) -> torch.Tensor:
     and memory layout the run validated in (its --amp and --channels-last)."""
     model = get_model(run_args["model"], num_classes=5)
     model.load_state_dict(torch.load(weights, weights_only=True))
-    compute, _ = choose_compute(run_args["amp"], run_args["channels_last"], torch.device("cpu"))
-    model = model.to(memory_format=compute.memory_format).eval()
+    choice = Choice(run_args["amp"], run_args["channels_last"])
+    model = model.to(memory_format=choice.memory_format).eval()
     loader = DataLoader(MyDataSet(images, [0] * len(images), val_transform(run_args["img_size"])), batch_size=16)
-    with torch.no_grad(), compute.autocast(torch.device("cpu")):
-        return torch.cat([model(compute.batch_to(batch, "cpu")).float().softmax(dim=1) for batch, _ in loader])
+    with torch.no_grad(), choice.autocast(torch.device("cpu")):
+        return torch.cat([model(choice.batch_to(batch, "cpu")).float().softmax(dim=1) for batch, _ in loader])
 
 
 def user_error(*argv) -> str:

@@ -139,10 +139,10 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_resumed_ru
 def test_a_process_whose_loader_workers_were_never_shut_down_exits_at_once(tmp_path):
     # A stop signal ends a run with its persistent loader workers still running (the loader is never shut down).
     # They ignore SIGTERM (ignore_stop_signals), which is how multiprocessing ends them at exit: without
-    # stop_and_resume.end_loader_processes the process would wait for them for ever (it did on torch 2.11).
+    # my_dataset.end_loader_processes the process would wait for them for ever (it did on torch 2.11).
     program = (
         "from torch.utils.data import DataLoader\n"
-        "from multi_train_utils.stop_and_resume import ignore_stop_signals\n"
+        "from my_dataset import ignore_stop_signals\n"
         "loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, persistent_workers=True,\n"
         "                    worker_init_fn=ignore_stop_signals)\n"
         "batches = iter(loader)\n"

@@ -7,7 +7,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from tools.profile_steps import TRACE_NAME, covered, summary_of, trace_events, traced
+from tools.profile_steps import TRACE_NAME, covered, summary_of, trace_events, traced, traced_epoch
 
 pytestmark = pytest.mark.fast
 CUDA = torch.device("cuda")
@@ -51,8 +51,8 @@ def test_a_profile_without_a_step_is_an_error_not_a_figure():
 
 
 def test_the_loop_is_traced_from_the_step_after_the_skipped_ones_and_the_trace_opens(tmp_path):
-    """A loop of 5 batches with 2 skipped: steps 2, 3 and 4 traced, each with its batch's work in it; the trace is a
-    gzipped Chrome trace that holds them."""
+    """A loop of 5 batches with 2 skipped: batches 2, 3 and 4 traced, each with its batch's work in it; the trace is
+    a gzipped Chrome trace that holds them (each batch's step is numbered from 1: step 0 runs up to the first)."""
     seen = []
 
     def loop(batches):
@@ -66,5 +66,24 @@ def test_the_loop_is_traced_from_the_step_after_the_skipped_ones_and_the_trace_o
     assert found["traced_steps"] == 3 and found["device_idle_seconds"] is None
     assert any(op["name"] == "aten::mm" and op["calls"] == 3 for op in found["top_operations"])
     names = {e.get("name") for e in trace_events(tmp_path / TRACE_NAME)}
-    assert {"ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"} <= names and "ProfilerStep#1" not in names
+    assert {"ProfilerStep#3", "ProfilerStep#4", "ProfilerStep#5"} <= names and "ProfilerStep#2" not in names
     assert found["trace"] == str(tmp_path / TRACE_NAME) and found["trace_bytes"] > 0
+
+
+def test_a_wrapped_train_one_epoch_traces_the_chosen_epochs_first_steps_and_trains_every_batch(tmp_path):
+    """tools/profile_steps.py's wrapper of a script's train_one_epoch: epoch 1 traced for its first 2 of 4 batches,
+    every epoch (that one too) given all its batches and its result returned as it was."""
+    calls = []
+
+    def train_one_epoch(training, data_loader, device, epoch, max_skipped=None):
+        assert len(data_loader) == 4
+        calls.append((epoch, [batch for batch in data_loader], max_skipped))
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        return 0.5, 4 * 8
+
+    found = {}
+    wrapped = traced_epoch(train_one_epoch, 1, 2, tmp_path, found)
+    assert wrapped(None, range(4), "cpu", 0, 7) == (0.5, 32) and not found  # epoch 0: not traced
+    assert wrapped(None, range(4), "cpu", 1, 7) == (0.5, 32)
+    assert calls == [(0, [0, 1, 2, 3], 7), (1, [0, 1, 2, 3], 7)]
+    assert found["traced_steps"] == 2 and (tmp_path / TRACE_NAME).exists()

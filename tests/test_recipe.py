@@ -14,13 +14,14 @@ from torchvision.models import get_model
 from wiring import loaders
 
 from dataset.folders import read_split_data
-from model import create_model, freeze_all_but_head, head_names, load_weights
+from dataset.images import SKIPPED
 from multi_train_utils.sync_batchnorm import SyncBatchNorm2d, convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Training, train_one_epoch
-from my_dataset import SKIPPED
-from recipe.config import Config
+from network.architectures import create_model, freeze_all_but_head, head_names
+from network.weights import load_weights
 from recipe.loss import Objective, balanced_class_weights
 from recipe.optimizer import build_optimizer, model_ema, schedule_factor
+from run.config import Config
 
 pytestmark = pytest.mark.fast  # no script started, no training run
 

@@ -37,7 +37,7 @@ from torchvision.models import get_model
 import evaluate
 import predict
 from dataset.folders import read_split_data
-from recipe.config import parse_config
+from run.config import parse_config
 
 MODELS = ["resnet18", "mobilenet_v3_small", "efficientnet_b0"]
 AUGMENT = (

@@ -19,10 +19,10 @@ import pytest
 import torch
 from conftest import FAST, PINNED_COMPUTE, final_weights, metrics_without_timings
 
+from autotune.choose import choose
 from multi_train_utils import stop_and_resume
 from multi_train_utils.checkpoint import load_checkpoint
-from recipe.config import Config
-from run.autotune import tune
+from run.config import Config
 from run.plan import note_inexact_resume, per_process_recipe
 
 # Epoch 0 stopped at its 3rd step of 6, or a crash at the start of epoch 1; 2 epochs in all.
@@ -155,11 +155,11 @@ def test_a_resume_says_when_another_forward_pass_makes_it_inexact(capsys, networ
 
 @pytest.mark.fast
 def test_a_resume_with_another_micro_batch_says_so_as_it_decides_how_to_compute(capsys, monkeypatch):
-    # tune (run/autotune.py) decides the micro-batch, given or measured; then the run says what it changes
+    # choose (autotune/choose.py) decides the micro-batch, given or measured; then the run says what it changes
     monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # this test process's threads stay
     config = Config(model="resnet18", batch_size=8, lr=0.1, amp="off", channels_last=False, workers=0, micro_batch=4)
     config = replace(config, batches="loader")  # nothing measured: no images to make batches of
     saved = {"batch_size": 8, "micro_batch": None, "world_size": 1, "recipe_world_size": 1}
-    _, compute = tune(config, types.SimpleNamespace(saved=saved), torch.device("cpu"), 1, train_set=None)
-    assert compute.micro_batch == 4
+    choice = choose(config, types.SimpleNamespace(saved=saved), torch.device("cpu"), 1, train_set=None)
+    assert choice.micro_batch == 4
     assert "note: resnet18's BatchNorm2d layers compute per forward pass, which now takes 4" in capsys.readouterr().out

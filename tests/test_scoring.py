@@ -13,10 +13,10 @@ from torchvision.models import resnet18
 
 import evaluate
 import predict
-from recipe.precision import Compute
-from run.results import Row, read_results, results_file
-from run.scoring import log_probabilities, scored_batches
-from run.trained import TrainedModel
+from inference.results import Row, read_results, results_file
+from inference.scoring import log_probabilities, scored_batches
+from inference.trained import TrainedModel
+from multi_train_utils.train_eval_utils import Choice
 
 TOLERANCE = 1e-5  # float32: a batch of other images, or another size, may round differently in the last bits
 
@@ -186,7 +186,7 @@ def test_a_results_file_whose_writing_fails_midway_is_not_there(tmp_path):
 def test_tta_averages_the_probabilities_of_each_image_and_its_mirror_image():
     torch.manual_seed(0)
     model = resnet18(num_classes=5).eval()
-    trained = TrainedModel(model, torch.device("cpu"), Compute(), list("abcde"), None, None)
+    trained = TrainedModel(model, torch.device("cpu"), Choice(), list("abcde"), None, None)
     images = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8)
     with torch.inference_mode():
         plain = log_probabilities(trained, images, tta=False).exp()

@@ -10,7 +10,6 @@ from torch.utils.data import DataLoader, get_worker_info
 
 import dataset.in_memory as decoding
 from dataset.in_memory import decode_once
-from dataset.sampling import SeededSamples
 from dataset.transforms import train_transform, val_transform
 from multi_train_utils.distributed_utils import Process
 from my_dataset import MyDataSet
@@ -49,7 +48,7 @@ def test_the_processes_of_a_machine_decode_its_images_once_between_them(tmp_path
 
 
 def shared_or_fail(worker: int) -> None:
-    pixels = get_worker_info().dataset.dataset.decoded.pixels
+    pixels = get_worker_info().dataset.decoded.pixels
     if not pixels.is_shared():
         raise AssertionError(f"loader worker {worker} holds a copy of the decoded images")
 
@@ -60,8 +59,8 @@ def test_loader_workers_started_by_spawn_share_the_decoded_images(tmp_path):
     which has imported torch: spawn's new interpreter would import it for 6-7 s), which hands a worker its dataset
     as spawn does, pickled by multiprocessing's ForkingPickler with torch's shared-memory reductions."""
     paths = varied_images(tmp_path)[:5]
-    train_set = SeededSamples(MyDataSet(paths, list(range(5)), train_transform(32)))
-    decode_once([train_set.dataset], gigabytes=1)
+    train_set = MyDataSet(paths, list(range(5)), train_transform(32))
+    decode_once([train_set], gigabytes=1)
     batches = [[(index, index + 10) for index in range(5)]]
     here = list(DataLoader(train_set, batch_sampler=batches))
     spawned = DataLoader(

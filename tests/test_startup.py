@@ -18,7 +18,7 @@ from PIL import Image
 from dataset import images
 from dataset.folders import list_images, read_split_data
 from dataset.image_check import CHECKED_IMAGES, ImageCheck
-from recipe.config import SINGLE, parse_config
+from run.config import SINGLE, parse_config
 from run.plan import prepare
 from tools.startup_benchmark import image_counts, seconds_to_first_step, small_images, startup_parts, startup_table
 from utils import UserError

@@ -16,8 +16,8 @@ from conftest import DDP_FLAGS, REFERENCE_FLAGS, final_weights, run_here
 
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.spawn_utils import find_free_port
-from recipe.config import Config
 from run import run_log
+from run.config import Config
 from run.tracking import EXPERIMENT, MLFLOW_SETTINGS, TRACKED_RUN_NAME, Tracking, read_tracked_run
 from utils import OutputError, UserError
 

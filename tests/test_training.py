@@ -22,7 +22,7 @@ from conftest import (
 )
 from PIL import Image
 
-from model import create_model
+from network.architectures import create_model
 
 METRIC_KEYS = {
     "epoch",
@@ -278,7 +278,7 @@ def test_boolean_flags_are_real_booleans(tiny_data, run_main):
     result = run_main("train_single_gpu.py", "--data-path", tiny_data, "--freeze-layers", "False", *FAST)
     assert_user_error(result, "unrecognized arguments: False")
     # ...and --no-freeze-layers / --freeze-layers say what they mean.
-    from recipe.config import parse_config
+    from run.config import parse_config
 
     assert parse_config("train_single_gpu", "", ["--no-freeze-layers"]).freeze_layers is False
     assert parse_config("train_single_gpu", "", ["--freeze-layers"]).freeze_layers is True
@@ -288,7 +288,7 @@ def test_boolean_flags_are_real_booleans(tiny_data, run_main):
 
 @pytest.mark.fast
 def test_demo_settings_yield_to_flags_given_on_the_command_line():
-    from recipe.config import DEMO_DEFAULTS, parse_config
+    from run.config import DEMO_DEFAULTS, parse_config
 
     demo = parse_config("train_single_gpu", "", ["--demo"])
     assert {name: getattr(demo, name) for name in DEMO_DEFAULTS} == DEMO_DEFAULTS

@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("dataset", "recipe", "run", "multi_train_utils")
+PACKAGES = ("dataset", "recipe", "run", "multi_train_utils", "autotune", "inference", "network")
 # Other programs' flags that the docs and comments name alone: torchrun's (and torch.distributed.launch's), SLURM's,
 # pytest-xdist's; and torch's names beyond what `torch.` resolves (an environment variable, a DDP hook).
 EXTERNAL_FLAGS = {
@@ -40,7 +40,8 @@ def tracked(suffix: str) -> list[Path]:
     except OSError:  # no git on this machine
         listed = None
     if listed is not None and listed.returncode == 0:
-        names = listed.stdout.split()
+        # (a file deleted in the working tree is still in git's index)
+        names = [name for name in listed.stdout.split() if (ROOT / name).is_file()]
     else:
         paths = [path.relative_to(ROOT) for path in ROOT.rglob(f"*{suffix}")]
         names = [path.as_posix() for path in paths if not any(part.startswith(".") for part in path.parts)]
@@ -71,7 +72,7 @@ def project_flags() -> frozenset[str]:
         for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
             if token.type == tokenize.STRING:
                 flags.update(re.findall(r'^[rbf]*["\'](--[a-z][a-z0-9-]*)["\']$', token.string))
-    config = next(node for node in ast.parse((ROOT / "recipe/config.py").read_text()).body if is_class(node, "Config"))
+    config = next(node for node in ast.parse((ROOT / "run/config.py").read_text()).body if is_class(node, "Config"))
     for field in (node.target.id for node in config.body if isinstance(node, ast.AnnAssign)):
         flags |= {f"--{field.replace('_', '-')}", f"--no-{field.replace('_', '-')}"}
     return frozenset(flags | {"--config", "--help"})

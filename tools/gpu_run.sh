@@ -1,36 +1,17 @@
 #!/usr/bin/env bash
 # What to run on a lent GPU machine, in one command from the repository root, with the machine's own python3
-# (nothing installed), as a list of steps:
+# (nothing installed), as a list of steps, each one argument (its words split as a shell would):
 #
 #     bash tools/gpu_run.sh                     # the next session's first command (DEFAULT_STEPS below)
 #     bash tools/gpu_run.sh "tests quick 90 tests/test_gpu.py -m gpu -k 'evaluate or data_parallel'" \
 #                           "bench b256 240 --batch-size 256 --rows model-only,compile,profile"
 #
-# Each argument is one step, its words as a shell would split them (quotes allowed), the first naming its kind:
-#   tests NAME LIMIT PYTEST_ARGS...   python -m pytest PYTEST_ARGS -n 0 -q, its output added to $OUT/tests.log;
-#                                     stopped with SIGINT at its limit, so pytest still reports what it ran
-#   bench NAME LIMIT FLAGS...         tools/benchmark.py --device cuda on the JPEG folder, output in
-#                                     /tmp/bench_gpu_NAME; its benchmark.json copied to $OUT/benchmark_NAME.json
-#                                     every 3 s while it runs and at its end (a stop leaves the finished rows), its
-#                                     profile trace (--rows profile) to $OUT/profile_NAME.json.gz, its runs' logs to
-#                                     $OUT/bench.log
-#   run NAME LIMIT SCRIPT FLAGS...    a training script on the JPEG folder (--device cuda), timed from the command
-#                                     to its end (the last weights file written); its metrics.jsonl copied to
-#                                     $OUT/run_NAME.jsonl, its log to $OUT/bench.log, each line stamped with the
-#                                     time it came (so the gaps between epochs' lines show what lies between them)
-# A step gets LIMIT seconds, or what is left of GPU_RUN_BUDGET (default 560) less 15 s, whichever is less; one with
-# under 30 s is skipped. A failed step is recorded and the next one still runs; the command ends with status 0 only
-# if every step succeeded.
-#
-# Before the steps: the machine (nvidia-smi, python, torch, CUDA, cuDNN, NCCL, a C compiler for torch.compile's
-# Triton) into $OUT/summary.log, which then gets every step with its time and exit status (and pytest's last line).
-# A flower_photos-shaped folder of 3,670 JPEGs (tools/make_flower_jpegs.py, all cores, low priority) is drawn in the
-# background from the start; the first bench or run step waits for it.
-#
-# Results go to $OUT (default /tmp/gpu_out); the device tool brings back 8 files at most, so plan at most 3 bench
-# steps with profiles (summary.log, tests.log, bench.log and 2 files each) or more without.
-# For a dry run on a machine without a GPU: GPU_RUN_DEVICE=cpu, GPU_RUN_JPEG_SCALE=0.05 (a smaller folder), and
-# small sizes in the steps (docs/performance.md, "The GPU runner").
+#   tests NAME LIMIT PYTEST_ARGS...   pytest, its output into $OUT/tests.log
+#   bench NAME LIMIT FLAGS...         tools/benchmark.py on the JPEG folder: $OUT/benchmark_NAME.json (kept up to date
+#                                     while it runs), $OUT/profile_NAME.json.gz, its runs' logs into $OUT/bench.log
+#   run NAME LIMIT SCRIPT FLAGS...    a training script on the JPEG folder, timed to its end: $OUT/run_NAME.jsonl
+# Each step gets LIMIT seconds at most, within GPU_RUN_BUDGET; the machine is described in $OUT/summary.log, which
+# gets every step's status and seconds. docs/gpu-runs.md ("The runner") has the details and a dry run on a CPU.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 

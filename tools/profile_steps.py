@@ -1,51 +1,56 @@
-"""A profile of the real training loop (tools/benchmark.py --rows profile): a torch.profiler trace of a few steps of
-train_one_epoch fed by the training scripts' own data path, and what it says.
+"""A torch.profiler trace of a few steps of a training script's own loop, and what it says.
 
-The loop runs as train_single_gpu.py builds it (the same statements, in tools/benchmark.py's _profile). Its first
-epoch is not traced: the loader's processes start, cuDNN times its algorithms, memory is allocated. The trace covers
-the next `steps` steps, from the start of the second epoch, so an epoch's start (its first batches) is in it. It is
-written as Chrome's trace format, gzipped (profile_trace.json.gz: open it in https://ui.perfetto.dev or
-chrome://tracing), beside a summary (summary_of): the operations that took most time, on the device where there is
-a GPU and on the CPU otherwise; how long the device sat idle between its kernels within the traced steps (on a GPU:
-the traced time less the union of its kernels' and copies' intervals); and how long the training process waited
-for its next batch (the DataLoader's __next__, or whatever the loop iterates over).
+    python tools/profile_steps.py --epoch 1 --steps 10 --trace-dir DIR train_single_gpu.py --data-path ... FLAGS
+
+runs the script in this process, its module's train_one_epoch wrapped so that epoch --epoch (the second: the
+first pays one-off costs) has its first --steps steps traced, from its first batch asked for. It writes the trace
+(DIR/profile_trace.json.gz: open it in https://ui.perfetto.dev or chrome://tracing) and its summary (summary_of;
+DIR/profile_summary.json), and prints the summary. tools/benchmark.py --rows profile runs it on train_single_gpu.py.
 """
 
+import argparse
 import gzip
+import inspect
 import json
+import runpy
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
-TRACE_NAME = "profile_trace.json.gz"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the project's modules, for `python tools/profile_steps.py` from anywhere
+
+from utils import UserError, entry_point, write_json  # noqa: E402
+
+TRACE_NAME, SUMMARY_NAME = "profile_trace.json.gz", "profile_summary.json"
 TOP_OPERATIONS = 12
 STEP_PREFIX = "ProfilerStep"  # the span torch.profiler marks around each step (profile.step()): "ProfilerStep#3"
 
 
 class ProfiledBatches:
-    """The batches of `batches` (an iterator over any number of epochs), `skip + steps` of them, as train_one_epoch
-    takes a loader (it asks for their number): the profiler is told at each batch that a step begins, so its
-    schedule skips the first `skip` and traces the next `steps`."""
+    """`total` batches of `batches` (an iterator; default total: skip + steps), as train_one_epoch takes a loader (it
+    asks for their number): the profiler is told, as each batch is asked for, that a step begins (so a traced step
+    holds its batch's wait), and its schedule skips the first `skip` and traces the next `steps`."""
 
-    def __init__(self, batches, skip: int, steps: int, profiler: profile):
-        self.batches, self.skip, self.steps, self.profiler = batches, skip, steps, profiler
+    def __init__(self, batches, skip: int, steps: int, profiler: profile, total: int | None = None):
+        self.batches, self.total, self.profiler = batches, skip + steps if total is None else total, profiler
 
     def __len__(self):
-        return self.skip + self.steps
+        return self.total
 
     def __iter__(self):
-        for step in range(len(self)):
-            if step:
-                self.profiler.step()  # step `step` begins: the last one's span closes, the schedule moves on
+        for _ in range(self.total):
+            self.profiler.step()  # a step begins (step 0 ran from the profiler's start to the first batch)
             yield next(self.batches)
 
 
-def traced(run, batches, skip: int, steps: int, device: torch.device, folder: Path) -> dict:
-    """Run `run(ProfiledBatches(...))` (the training loop over `batches`) with the profiler tracing steps `skip` to
-    `skip + steps - 1`; writes the trace to folder/TRACE_NAME and returns its summary (summary_of)."""
+def traced(run, batches, skip: int, steps: int, device: torch.device, folder: Path, total=None) -> dict:
+    """Run `run(ProfiledBatches(...))` (the training loop over `batches`) with the profiler tracing batches `skip`
+    to `skip + steps - 1`; writes the trace to folder/TRACE_NAME and returns its summary (summary_of)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     found = {}
 
@@ -54,11 +59,47 @@ def traced(run, batches, skip: int, steps: int, device: torch.device, folder: Pa
         profiler.export_chrome_trace(str(path))  # a name ending in .gz: torch writes it gzipped
         found.update(summary_of(profiler.events(), device), trace=str(path), trace_bytes=path.stat().st_size)
 
-    plan = schedule(wait=max(skip - 1, 0), warmup=min(skip, 1), active=steps, repeat=1)
+    plan = schedule(wait=skip, warmup=1, active=steps, repeat=1)
     with profile(activities=activities, schedule=plan, on_trace_ready=ready) as profiler:
-        run(ProfiledBatches(batches, skip, steps, profiler))
+        run(ProfiledBatches(batches, skip, steps, profiler, total))
         profiler.step()  # the last traced step's span closes, and the trace is ready
     return found
+
+
+def traced_epoch(train_one_epoch, epoch: int, steps: int, folder: Path, found: dict):
+    """`train_one_epoch`, the first `steps` steps of its epoch `epoch` traced (`traced`, the summary into `found`);
+    the epochs, that one included, train as they did."""
+
+    def wrapped(training, data_loader, device, this_epoch, *args):
+        if this_epoch != epoch:
+            return train_one_epoch(training, data_loader, device, this_epoch, *args)
+        result, batches = [], len(data_loader)
+        loop = lambda profiled: result.append(train_one_epoch(training, profiled, device, this_epoch, *args))  # noqa: E731
+        found.update(traced(loop, iter(data_loader), 0, min(steps, batches), torch.device(device), folder, batches))
+        return result[0]
+
+    return wrapped
+
+
+@entry_point
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epoch", type=int, default=1, help="the epoch traced (counted from 0)")
+    p.add_argument("--steps", type=int, default=10, help="its steps traced, from its first")
+    p.add_argument("--trace-dir", type=Path, default=Path("."), help="where the trace and its summary go")
+    p.add_argument("script", type=Path, help="a training script whose loop runs in its own process")
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="the script's flags")
+    args = p.parse_args(argv)
+    # the script's own namespace, its main not yet called (run_path returns a copy of it: its functions' is the one)
+    script = inspect.unwrap(runpy.run_path(str(args.script), run_name="profiled")["main"]).__globals__
+    found = {}
+    args.trace_dir.mkdir(parents=True, exist_ok=True)
+    script["train_one_epoch"] = traced_epoch(script["train_one_epoch"], args.epoch, args.steps, args.trace_dir, found)
+    script["main"](args.flags)
+    if not found:
+        raise UserError(f"{args.script} ended before its epoch {args.epoch}: nothing traced")
+    write_json(args.trace_dir / SUMMARY_NAME, found)
+    print(printed(found))
 
 
 def summary_of(events, device: torch.device) -> dict:
@@ -140,9 +181,9 @@ def top_operations(events, on_gpu: bool) -> list[dict]:
     ]
 
 
-def printed(found: dict, device: torch.device) -> str:
+def printed(found: dict) -> str:
     """The summary as the benchmark prints it."""
-    where = "GPU kernels" if device.type == "cuda" else "CPU operations, own time"
+    where = "CPU operations, own time" if found["device_idle_seconds"] is None else "GPU kernels"
     lines = [f"Profile of {found['traced_steps']} steps ({found['traced_seconds']:.3f} s): {found['trace']}"]
     if found["device_idle_seconds"] is not None:
         lines.append(
@@ -163,3 +204,7 @@ def trace_events(path: Path) -> list[dict]:
     """The events of a trace written by `traced` (for tests and for reading it without a browser)."""
     with gzip.open(path, "rt") as f:
         return json.load(f)["traceEvents"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,24 +1,9 @@
 """Start-up against the size of the data (tools/benchmark.py --startup-sizes 1000,10000,100000).
 
-For each size, a folder of that many small generated images (32x32 JPEGs in 10 classes; made once into
-TMPDIR/benchmark_startup/ and kept for the next time), and:
-  to first step, cold   seconds from starting train_single_gpu.py (a new interpreter: importing torch included;
-                        float32 NCHW and no loader workers given, so nothing is measured by auto) until its
-                        training loop asks for its first batch (the "[epoch 0] train" progress bar
-                        appears), in a new run folder: every image is decoded. The run is then killed (SIGKILL on
-                        Linux and macOS, as a preemption without warning).
-  to first step, warm   the same command with --auto-resume in the same folder: the restart of that run, which
-                        finds the images' verdicts in its folder (checked_images.json) and checks none; it
-                        still decodes them into memory, as every start does.
-  and the parts of start-up that grow with the data, timed in this process: listing and splitting the folder
-  (read_split_data without the check), the image check cold and warm (listing included), split_fingerprint (a
-  resume's check and args.json's record; once per rank), decoding the images once into memory (decode_once, with
-  its default budget; every start, on every rank) and the gigabytes they take there, the size of
-  checked_images.json, and of the split pickled (what the spawn script sends each worker); and the seconds until two
-  training processes both hold the images decoded, each decoding its own (as before 2026-11-27) against one decoding
-  shared by the two (decode_once now).
-The operating system's file cache is warm in every case (the images were just written or read): on a network
-filesystem, listing and the cold check cost more.
+For each size, a generated folder of that many 32x32 JPEGs (made once into TMPDIR/benchmark_startup/): the seconds
+from starting train_single_gpu.py until its loop asks for its first batch, in a new run folder (cold; then killed,
+as a preemption) and restarted with --auto-resume (warm); and the parts of start-up that grow with the data, each
+timed alone in this process. docs/performance.md ("Start-up") says what each column measures.
 """
 
 import argparse

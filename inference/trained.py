@@ -6,7 +6,6 @@ beside it or one folder up; a checkpoint.pth carries them itself.
 """
 
 import argparse
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,13 +15,13 @@ from torch.utils.data import DataLoader
 
 from dataset.transforms import val_transform
 from machine import use_cores
-from model import create_model, head_classes, load_weights, read_state_dict
-from multi_train_utils.checkpoint import CHECKPOINT_NAME
-from multi_train_utils.stop_and_resume import ignore_stop_signals
-from my_dataset import MyDataSet
+from multi_train_utils.train_eval_utils import Choice
+from my_dataset import MyDataSet, ignore_stop_signals
+from network.architectures import create_model
+from network.weights import head_classes, load_weights, read_state_dict
 from read_back import advice, read_json, safe_load
-from recipe.config import Config
-from recipe.precision import Compute, choose_compute
+from run.config import Config
+from run.records import of_their_model, record_beside, run_file
 from utils import UserError, number, positive_int, warn
 
 
@@ -32,7 +31,7 @@ class TrainedModel:
 
     model: nn.Module
     device: torch.device
-    compute: Compute  # the run's precision and memory layout (--amp, --channels-last)
+    choice: Choice  # the run's precision and memory layout (--amp, --channels-last)
     classes: list[str]
     run: Config  # the run's configuration (args.json or the checkpoint's "args"; the defaults when neither is found)
     run_folder: Path
@@ -42,46 +41,9 @@ class TrainedModel:
         return given if given is not None else getattr(self.run, name)
 
 
-def run_file(weights: Path, name: str) -> Path | None:
-    """A file the run wrote, found beside the weights (checkpoint.pth) or one folder up (weights/best.pth)."""
-    return next(
-        (folder / name for folder in (weights.parent, weights.parent.parent) if (folder / name).is_file()), None
-    )
-
-
 def run_folder(weights: Path) -> Path:
     """The run folder: the one that holds weights/ for best.pth, last.pth ..., else the weights' own folder."""
     return weights.parent.parent if weights.parent.name == "weights" else weights.parent
-
-
-def recorded_model(weights: Path) -> tuple[str, str] | None:
-    """The --model of the run that saved `weights`, and where it is recorded (where run_record finds the run's
-    flags); None where nothing says (or the record is damaged)."""
-    args_file = run_file(weights, "args.json")
-    try:
-        data = safe_load(weights, "weights file") if args_file is None else {}
-        record, where, _ = run_record(weights, args_file, data if isinstance(data, dict) else {})
-    except UserError:  # a damaged record says nothing here: the refusal that asked stands as it is
-        return None
-    model = record.get("model") if isinstance(record, dict) else None
-    return (model, where) if isinstance(model, str) else None
-
-
-@contextlib.contextmanager
-def of_their_model(weights: Path, model: str, fix: str, recorded: tuple[str, str] | None = None):
-    """Inside, the state dict read from `weights` is loaded into `model`. If it does not fit (a UserError) and their
-    run recorded another --model (`recorded`, else recorded_model's), the error names the two instead, and what to
-    do: `fix`, with {theirs} and {model} for their model and `model`."""
-    try:
-        yield
-    except UserError:
-        theirs, where = recorded or recorded_model(weights) or (model, None)
-        if theirs == model:
-            raise
-        raise UserError(
-            f"weights file {weights} holds {theirs}'s weights ({where} says --model {theirs}), which do not fit "
-            f"{model} (--model): " + fix.format(theirs=theirs, model=model)
-        ) from None
 
 
 def class_names(indices, path: Path) -> list[str]:
@@ -124,7 +86,7 @@ def load_trained_model(
             f"no class names for {weights}: no class_indices.json beside it or in its run folder; "
             "pass --class-indices RUN/class_indices.json"
         )
-    run_args, args_from, note = run_record(weights, args_file, checkpoint)
+    run_args, args_from, note = record_beside(weights, args_file, checkpoint)
     if not isinstance(run_args, dict):
         raise UserError(f"{args_from} does not hold the flags of a run (a JSON object)")
 
@@ -148,33 +110,11 @@ def load_trained_model(
         load_weights(model, state_dict, strict=True, name=architecture, what=f"weights file {weights}")
     # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
     # (Weights whose run is unknown, or recorded "auto" before runs recorded what auto chose: float32 NCHW.)
-    compute = choose_compute(run.amp, run.channels_last, device)[0] if run_args else Compute()
-    model = model.to(device, memory_format=compute.memory_format).eval()
+    choice = Choice(run.amp if run.amp != "auto" else "off", bool(run.channels_last)) if run_args else Choice()
+    model = model.to(device, memory_format=choice.memory_format).eval()
     if note is not None:  # (after the weights loaded: a refusal is one line)
         warn(note)
-    return TrainedModel(model, device, compute, classes, run, run_folder(weights))
-
-
-def run_record(weights: Path, args_file: Path | None, checkpoint: dict) -> tuple[dict, str, str | None]:
-    """The flags of the run that saved `weights`, where they were read, and the warning to give once the weights
-    have loaded (None: none): its args.json (`args_file`); else the record in `checkpoint`, where `weights` is one;
-    else the record in the checkpoint.pth of its run folder (args.json is gone: said); else none (the defaults
-    taken instead: named)."""
-    if args_file is not None:
-        return read_json(args_file, "run flags file"), f"run flags file {args_file}", None
-    if "args" in checkpoint:
-        return checkpoint["args"], f"checkpoint {weights}", None
-    saved = run_file(weights, CHECKPOINT_NAME)
-    data = safe_load(saved, "checkpoint") if saved is not None and saved != weights else None
-    if isinstance(data, dict) and isinstance(data.get("args"), dict):
-        said = f"no args.json beside {weights} or in its run folder: the run's flags are read from {saved}"
-        return data["args"], f"checkpoint {saved}", said
-    defaults = ", ".join(f"--{name.replace('_', '-')} {Config.default(name)}" for name in ("img_size", "model", "amp"))
-    said = (
-        f"no record of the flags of the run that saved {weights} (no args.json or {CHECKPOINT_NAME} beside it or in "
-        f"its run folder): taking the defaults where not given ({defaults}); give the run's own where they differ"
-    )
-    return {}, "the defaults", said
+    return TrainedModel(model, device, choice, classes, run, run_folder(weights))
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,8 +18,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from multi_train_utils.stop_and_resume import STOP_SIGNALS
-from utils import NAMES, atomic_file, check_new_file, positive_int
+from utils import NAMES, STOP_SIGNALS, atomic_file, check_new_file, positive_int
 
 FORMATS = (".csv", ".jsonl")
 DECIMALS = 6  # of each probability: 1e-6 is far below any difference between two classes worth reading

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from dataset.demo import DEMO_DATA_PATH
 from dataset.transforms import AUTO_AUGMENT
-from model import DEFAULT_MODEL, IMAGENET, TIMM, check_model_options, unknown_model
+from model import check_model_options
+from network.architectures import DEFAULT_MODEL, IMAGENET, TIMM, unknown_model
 from utils import HelpFormatter, Parser, UserError, number, positive_float, positive_int
 
 SINGLE, LAUNCH, SPAWN = "train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn"
@@ -80,16 +81,14 @@ class Config:
     """Everything the command line says about a run (see --help for each flag)."""
 
     # data
-    data_path: Path | None = data_flag(
-        None, "folder with one sub-folder of images per class (e.g. flower_photos)", type=Path
-    )
+    data_path: Path | None = data_flag(None, "folder with one sub-folder of images per class", type=Path)
     demo: bool = data_flag(
         False,
-        f"train on generated demo flowers (made once in {DEMO_DATA_PATH.parent.name}/) with quick settings",
+        f"train on generated demo flowers ({DEMO_DATA_PATH.parent.name}/) with quick settings",
         action="store_true",
     )
     num_classes: int | None = data_flag(
-        None, "expected number of classes (default: the number of class folders)", type=positive_int
+        None, "expected number of classes (default: the class folders')", type=positive_int
     )
     val_rate: float = data_recipe(
         0.2, "fraction of each class held out for validation", type=number(float, 0, 1, above_minimum=True)
@@ -98,26 +97,19 @@ class Config:
         224, "training crop size; validation resizes to img-size*256/224 and centre-crops", type=positive_int
     )
     auto_augment: str = data_recipe(
-        "none",
-        "a random photometric or geometric change per training image after the crop and flip "
-        "(TrivialAugmentWide or RandAugment from torchvision)",
-        choices=["none", *AUTO_AUGMENT],
+        "none", "a random change per training image after the crop and flip", choices=["none", *AUTO_AUGMENT]
     )
     random_erase: float = data_recipe(
-        0.0,
-        "probability of erasing a random rectangle of each training image (RandomErasing)",
-        type=number(float, 0, 1),
+        0.0, "probability of erasing a random rectangle of each training image", type=number(float, 0, 1)
     )
     class_weights: str = data_recipe(
         "none",
-        "balanced: weigh each class's loss by the inverse of its share of the training images",
+        "balanced: weigh each class's loss by the inverse of its share of the images",
         choices=["none", "balanced"],
     )
     workers: int | None = data_flag(
         None,
-        "data loader processes per training process (default: auto, from the measured time to load an image "
-        "against a training step's: on a GPU enough to keep ahead of it; on the CPU, where each takes a core from "
-        "training, as many as pay)",
+        "loader processes per training process (default: auto, from a measured image's load against a step's)",
         type=number(int, 0),
     )
 
@@ -130,209 +122,130 @@ class Config:
     lrf: float = optimisation_recipe(
         0.1, "final learning rate as a fraction of --lr (cosine decay)", type=number(float, 0, 1, above_minimum=True)
     )
-    opt: str = optimisation_recipe(
-        "sgd", "optimizer: SGD with momentum, or AdamW (decoupled weight decay)", choices=["sgd", "adamw"]
-    )
+    opt: str = optimisation_recipe("sgd", "SGD with momentum, or AdamW", choices=["sgd", "adamw"])
     momentum: float = optimisation_recipe(0.9, "SGD momentum", type=number(float, 0, 1))
     weight_decay: float | None = optimisation_recipe(
         None,
-        f"weight decay (default: {WEIGHT_DECAY['sgd']:g} with SGD, usual for ResNets (the original used 5e-3); "
-        f"{WEIGHT_DECAY['adamw']:g} with AdamW)",
+        f"default: {WEIGHT_DECAY['sgd']:g} with SGD (the original used 5e-3), {WEIGHT_DECAY['adamw']:g} with AdamW",
         type=number(float, 0),
     )
     norm_weight_decay: float | None = optimisation_recipe(
         None,
-        "weight decay of the norm layers' weights and of every bias, as torchvision's references choose them (for "
-        "a timm model, timm's choice: every 1-D tensor and the model's no_weight_decay(), such as a ViT's position "
-        "embedding); 0 is usual for fine-tuning (default: --weight-decay's)",
+        "weight decay of norm layers' weights and biases (timm: its own choice); 0 is usual for fine-tuning",
         type=number(float, 0),
         metavar="X",
     )
     layer_decay: float = optimisation_recipe(
         1.0,
-        "layer-wise learning-rate decay: the head trains at the full rate, each layer before it at F times the "
-        "next one's (a ResNet's stem and stages, a ViT's blocks, the children of `features`, timm's own layers; "
-        "1: off)",
+        "layer-wise rate decay: the head at the full rate, each layer before it F times the next one's (1: off)",
         type=number(float, 0, 1, above_minimum=True),
         metavar="F",
     )
     clip_grad_norm: float = optimisation_recipe(
-        0.0,
-        "scale each step's gradients down to a total norm (2-norm over every trained parameter) of at most MAX, "
-        "after float16's scaling is undone (0: off)",
-        type=number(float, 0),
-        metavar="MAX",
+        0.0, "clip each step's gradients to this total 2-norm (0: off)", type=number(float, 0), metavar="MAX"
     )
     warmup_epochs: int = optimisation_recipe(
-        0,
-        "epochs over which the learning rate rises linearly, step by step, before the cosine decay",
-        type=number(int, 0),
+        0, "epochs of a linear rise of the learning rate before the cosine decay", type=number(int, 0)
     )
     accumulate: int = optimisation_recipe(
-        1,
-        "batches of --batch-size whose gradients are summed before each step (a step then sees "
-        "batch-size x accumulate x world-size images, and the learning rate is scaled by that many batches)",
-        type=positive_int,
+        1, "batches whose gradients each step sums (the rate scaled by as many)", type=positive_int
     )
     label_smoothing: float = optimisation_recipe(
         0.0, "share of each target spread evenly over all classes", type=number(float, 0, 1)
     )
     mixup_alpha: float = optimisation_recipe(
-        0.0,
-        "mix pairs of training images and their targets by a Beta(alpha, alpha) share (0: off)",
-        type=number(float, 0),
+        0.0, "mix pairs of images and targets by a Beta(alpha, alpha) share (0: off)", type=number(float, 0)
     )
     cutmix_alpha: float = optimisation_recipe(
-        0.0,
-        "paste a box of one training image into another, targets by area (0: off; with mixup, each step "
-        "takes one of the two at random)",
-        type=number(float, 0),
+        0.0, "paste a box of one image into another, targets by area (0: off)", type=number(float, 0)
     )
     seed: int = optimisation_recipe(0, "seeds weights, data split, shuffling and augmentation", type=number(int, 0))
 
     # model
     model: str = model_recipe(
         DEFAULT_MODEL,
-        "any torchvision classification model (resnet18, resnet50, mobilenet_v3_small, efficientnet_b0, "
-        f"convnext_tiny, ...) or {TIMM}NAME, any of timm's ({TIMM}convnext_nano, {TIMM}vit_small_patch16_224, "
-        f"{TIMM}resnet50.a1_in1k with a pretrained tag, ...)",
+        f"any torchvision classification model (resnet50, efficientnet_b0, ...) or {TIMM}NAME, any of timm's",
         type=model_name,
         metavar="NAME",
     )
     weights: str | Path | None = model_flag(
         None,
-        f"initial weights: {IMAGENET} (the pretrained weights of --model: torchvision's ImageNet-1K weights, "
-        "downloaded once into torch's cache; for a timm model timm's, those of its tag or timm's default, into "
-        "Hugging Face's), a file of them (.pth or .safetensors), or weights or a checkpoint saved by these scripts",
+        f"initial weights: {IMAGENET} (--model's pretrained ones), a .pth or .safetensors file, or a run's weights",
         type=lambda text: text if text == IMAGENET else Path(text),
     )
     freeze_layers: bool = model_recipe(False, "train only the classifier head", switch=True)
     model_ema: bool = model_recipe(
-        False,
-        "keep an exponential moving average of the weights (BatchNorm statistics included), validated and "
-        "saved beside the model; best.pth is the better of the two",
-        switch=True,
+        False, "keep, validate and save a moving average of the weights (best.pth: the better)", switch=True
     )
     ema_decay: float = model_recipe(
-        0.999,
-        "share of the average kept at each step (0.999: about the last 1,000 steps)",
-        type=number(float, 0, 1, above_minimum=True),
+        0.999, "share of the average kept at each step", type=number(float, 0, 1, above_minimum=True)
     )
     data_parallel: bool = single_process_flag(
-        False,
-        "split each batch over all visible GPUs with nn.DataParallel in this one process "
-        "(DDP, the other two scripts, is faster: see docs/launch-modes.md)",
-        action="store_true",
+        False, "split each batch over every visible GPU with nn.DataParallel (DDP is faster)", action="store_true"
     )
 
     # speed
     amp: str = speed_flag(
         "auto",
-        "mixed precision (torch.amp autocast): auto times off (float32) and, where the device has bfloat16 "
-        "instructions (GPUs from Ampere on, CPUs with AMX or AVX512-BF16 that torch is not capped below), bf16, "
-        "and takes the faster; fp16 adds gradient scaling",
+        "autocast precision: auto times float32 and, where the device computes it, bf16 (fp16 scales gradients)",
         choices=["auto", "off", "bf16", "fp16"],
     )
     channels_last: bool | None = speed_flag(
-        None,
-        "keep images and weights in NHWC memory layout (default: auto, whichever of NHWC and NCHW trains faster "
-        "here, timed)",
-        switch=True,
+        None, "NHWC memory layout (default: auto, whichever trains faster here)", switch=True
     )
     remeasure: bool = speed_flag(
-        False,
-        "time what --amp, --channels-last and --workers leave to auto again, instead of taking the choice an "
-        "earlier run measured on this machine for this configuration (kept in autotune.json in the user's cache "
-        "folder: see docs/performance.md)",
-        action="store_true",
+        False, "measure what auto chooses again instead of taking an earlier run's choice", action="store_true"
     )
     micro_batch: int | None = speed_flag(
         None,
-        "images a forward and backward pass takes at most: a larger --batch-size is taken in micro-batches whose "
-        "gradients add up to the batch's (the step, rate and schedule unchanged; BatchNorm's statistics are the "
-        "micro-batch's). Default auto: on a GPU the largest that fits, measured and remembered; elsewhere the "
-        "whole batch",
+        "most images a forward and backward pass takes; the step is the same (default: auto, on a GPU what fits)",
         type=auto_or(positive_int),
         metavar="N",
     )
     compile: bool = speed_flag(
-        False,
-        "torch.compile the model: faster steps after a compilation of a minute or more at the start",
-        action="store_true",
+        False, "torch.compile the model (a compilation of a minute or more)", action="store_true"
     )
     grad_checkpointing: bool = speed_flag(
-        False,
-        "keep only each block's input from the forward pass and recompute its activations in the backward pass "
-        "(torch's non-reentrant checkpoint): less memory for about one more forward pass a step, the same "
-        "gradients and BatchNorm statistics",
-        action="store_true",
+        False, "recompute each block's activations in the backward pass: less memory", action="store_true"
     )
     image_cache_gb: float | None = speed_flag(
         None,
-        "memory for the images decoded once, in GB per training process (default: a quarter of this machine's "
-        "memory, shared among its training processes; 0: decode every image every epoch, from its file)",
+        "GB per process for the images decoded once (default: a quarter of memory; 0: none)",
         type=number(float, 0),
     )
     persistent_workers: bool = speed_flag(
-        True,
-        "keep loader processes between epochs (off restarts them every epoch, as the original scripts did)",
-        switch=True,
+        True, "keep loader processes between epochs (off: restarted every epoch, as the original)", switch=True
     )
     batches: str = speed_flag(
         "auto",
-        "where training batches are made: on the device, from the training images held there, each batch cropped "
-        "and flipped in a few operations (device); or by the loader's processes, an image at a time (loader). "
-        "auto: measured, where the images fit on the device and the augmentation has a batched form (not "
-        "--auto-augment, --random-erase); see docs/performance.md",
+        "where training batches are made: on the device from images held there, or by the loader (auto: measured)",
         choices=["auto", "device", "loader"],
     )
 
     # run
     resume: Path | None = run_flag(None, "continue the run whose checkpoint.pth this is (in its folder)", type=Path)
     auto_resume: bool = run_flag(
-        False,
-        "continue from --output-dir's checkpoint.pth when there is one, else start (for torchrun restarts)",
-        action="store_true",
+        False, "continue from --output-dir's checkpoint.pth when there is one, else start", action="store_true"
     )
-    save_every: int = run_flag(
-        0,
-        "also keep weights/model-N.pth of every N-th epoch (0: keep only best.pth, last.pth and the checkpoint)",
-        type=number(int, 0),
-    )
-    strict_images: bool = run_flag(
-        False, "stop on unreadable images instead of skipping them with a warning", action="store_true"
-    )
+    save_every: int = run_flag(0, "also keep weights/model-N.pth of every N-th epoch (0: none)", type=number(int, 0))
+    strict_images: bool = run_flag(False, "stop on unreadable images instead of skipping them", action="store_true")
     device: str | None = run_flag(
-        None,
-        "cpu, cuda, cuda:N or mps (default: cuda when a GPU is visible, else mps on a Mac that has it, else cpu; "
-        "the DDP scripts train on the CPU instead of mps)",
+        None, "cpu, cuda, cuda:N or mps (default: cuda if a GPU is visible, else mps, else cpu)"
     )
-    output_dir: Path | None = run_flag(
-        None, "where weights, logs and metrics go (default: runs/<script>-<timestamp>)", type=Path
-    )
+    output_dir: Path | None = run_flag(None, "where the run's files go (default: runs/<script>-<timestamp>)", type=Path)
     tracking_uri: str | None = run_flag(
-        None,
-        "log the run to MLflow at URI: a SQLite file (sqlite:///runs/mlflow.db), a folder or a tracking server "
-        "(http://HOST:5000); default: MLflow's MLFLOW_TRACKING_URI when set, else no tracking (docs/tracking.md)",
-        metavar="URI",
+        None, "log the run to MLflow at URI (default: MLFLOW_TRACKING_URI; see docs/tracking.md)", metavar="URI"
     )
-    track_weights: bool = run_flag(
-        False, "with tracking, also upload weights/best.pth to the tracked run when the run ends", action="store_true"
-    )
+    track_weights: bool = run_flag(False, "with tracking, also upload weights/best.pth at the end", action="store_true")
 
     # distributed
     sync_bn: bool = ddp_recipe(True, "synchronise BatchNorm statistics across processes", switch=True)
     dist_url: str = ddp_flag("env://", "how processes find each other (env:// reads MASTER_ADDR and MASTER_PORT)")
     dist_backend: str | None = ddp_flag(
-        None,
-        "communication library (default: nccl on CUDA where torch has it, i.e. on Linux; gloo on the CPU, Windows "
-        "and macOS)",
-        choices=["nccl", "gloo"],
+        None, "communication library (default: nccl on CUDA where torch has it, else gloo)", choices=["nccl", "gloo"]
     )
     dist_timeout: int = ddp_flag(1800, "seconds a collective may wait for a silent process", type=positive_int)
-    world_size: int | None = spawn_flag(
-        None, "processes to start (default: visible GPUs, or 2 without a GPU)", type=positive_int
-    )
+    world_size: int | None = spawn_flag(None, "processes to start (default: the visible GPUs, or 2)", type=positive_int)
 
     script: str = SINGLE  # which script's flags these are (not a flag)
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dataset.images import image_problem
+from dataset.images import SKIPPED, image_problem
+from inference.results import Row
+from inference.trained import TrainedModel
 from multi_train_utils.bookkeeping import Tally, ToHost, progress_bar
 from multi_train_utils.distributed_utils import (
     Process,
@@ -22,9 +24,6 @@ from multi_train_utils.distributed_utils import (
     single_process,
 )
 from multi_train_utils.spawn_utils import spawn_world_size
-from my_dataset import SKIPPED
-from run.results import Row
-from run.trained import TrainedModel
 from utils import UserError, positive_int
 
 UNKNOWN = -1  # the label of an image whose true class is not known (predict.py's)
@@ -117,11 +116,11 @@ def scored_batches(
 def log_probabilities(trained: TrainedModel, images: torch.Tensor, tta: bool) -> torch.Tensor:
     """A batch's class log-probabilities (float32, on the device), computed in the run's precision and memory
     layout; with `tta`, those of the mean of the probabilities of each image and its mirror image."""
-    compute, device, model = trained.compute, trained.device, trained.model
-    batch = compute.batch_to(images, device)  # 8-bit on the way, normalised on the device
-    with compute.autocast(device):
+    choice, device, model = trained.choice, trained.device, trained.model
+    batch = choice.batch_to(images, device)  # 8-bit on the way, normalised on the device
+    with choice.autocast(device):
         logits = model(batch)
-        mirrored = model(compute.batch_to(batch.flip(-1), device)) if tta else None  # batch_to: keep the layout
+        mirrored = model(choice.batch_to(batch.flip(-1), device)) if tta else None  # batch_to: keep the layout
     scores = logits.float().log_softmax(dim=1)
     if tta:  # log((p + q) / 2), without taking p and q out of logarithms, where small ones would round to 0
         scores = torch.logaddexp(scores, mirrored.float().log_softmax(dim=1)) - math.log(2)

@@ -1,0 +1,120 @@
+"""auto's choices remembered, so that a later run with the same configuration on the same machine starts at once:
+autotune.json in the user's cache folder (FLOWERS_AUTOTUNE_CACHE names another), each choice under a key naming
+the machine as torch computes on it, torch, and the configuration. Delete it at will, or pass --remeasure."""
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from filelock import FileLock, Timeout
+
+from machine import AVX2_CAPS, available_cores, cpu_name, torch_cpu_isa
+from multi_train_utils.train_eval_utils import AMP_DTYPES, Choice
+from read_back import NUMBER, misfits, read_json
+from utils import OutputError, UserError, warn, write_json
+
+CACHE_ENV = "FLOWERS_AUTOTUNE_CACHE"  # a file path instead of the user's cache folder: for tests, or a shared disk
+CACHE_VERSION = 2
+ON_WINDOWS = os.name == "nt"
+# A remembered choice, as remember() writes it (read_back.misfits' shapes): the Choice and what it was decided from
+CHOICE_SHAPE = {"amp": str, "channels_last": bool, "workers": int, "micro_batch": (int, type(None)),
+                "measured": dict, "load_ms": (NUMBER, type(None)), "seconds": NUMBER, "date": str,
+                "lines": list, "batches": str}  # fmt: skip
+ENTRY_SHAPE = {"key": dict, "choice": CHOICE_SHAPE}
+
+
+def cache_file() -> Path:
+    """$FLOWERS_AUTOTUNE_CACHE if set; else in the user's cache folder (Windows: %LOCALAPPDATA%; elsewhere
+    $XDG_CACHE_HOME, by default ~/.cache)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    if ON_WINDOWS:
+        base = os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local"
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "flower-training" / "autotune.json"
+
+
+def cache_key(config, plan, device: torch.device, processes_here: int) -> dict:
+    """What a remembered choice holds for: the machine as torch computes on it (the instruction-set caps too), torch,
+    and the configuration."""
+    machine = {
+        "cpu": cpu_name(),
+        "torch_cpu_isa": torch_cpu_isa(),
+        "isa_caps": {name: os.environ[name] for name in AVX2_CAPS if name in os.environ},
+        "cores": available_cores(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+    }
+    run = {name: getattr(config, name) for name in ("model", "img_size", "batch_size", "freeze_layers", "opt")}
+    run["grad_checkpointing"] = config.grad_checkpointing
+    run |= {name: getattr(config, name) for name in ("amp", "channels_last", "workers", "micro_batch", "auto_augment")}
+    run |= {"random_erase": config.random_erase, "batches": config.batches}
+    run |= {"device": device.type, "processes_here": processes_here, "data": str(Path(plan.data_path).resolve())}
+    return machine | run
+
+
+def remembered(path: Path, key: dict) -> tuple[Choice, str] | None:
+    """The choice the file holds for `key`, with the line saying so; None if none. A damaged file (cut short, edited
+    by hand, of another version) holds none: one warning says so, and remember() replaces it."""
+    try:
+        entries = read_entries(path)
+    except UserError as damage:
+        warn(f"{damage}: measuring again, and replacing it")
+        return None
+    found = next((entry["choice"] for entry in entries if entry["key"] == key), None)
+    if found is None:
+        return None
+    fields = ("amp", "channels_last", "micro_batch", "batches", "workers")
+    choice = Choice(**{name: found[name] for name in fields})
+    line = (
+        f"Auto: {choice.name()}, "
+        + ("batches made on the device" if choice.on_device else f"{choice.workers} loader workers")
+        + (f", micro-batches of {choice.micro_batch}" if choice.micro_batch else "")
+        + f", as measured on {found['date']} for this machine and configuration ({path}; --remeasure measures again)"
+    )
+    return choice, line
+
+
+def read_entries(path: Path) -> list[dict]:
+    """The file's entries ({"key", "choice"} each; none before it is written); UserError naming it if it is not one
+    this code wrote whole: not JSON, another version, an entry of another shape or a choice no run makes."""
+    if not path.exists():
+        return []
+    cache = read_json(path, "autotune cache")
+    if cache.get("version") != CACHE_VERSION:
+        raise UserError(f"autotune cache {path} is of another version ({cache.get('version')!r}, not {CACHE_VERSION})")
+    damage = misfits(cache, {"entries": [ENTRY_SHAPE]})
+    for entry in [] if damage else cache["entries"]:
+        choice = entry["choice"]
+        damage += [f"amp {choice['amp']!r} is no --amp"] * (choice["amp"] not in AMP_DTYPES)
+        damage += [f"workers is {choice['workers']}"] * (choice["workers"] < 0)
+        damage += [f"batches {choice['batches']!r} is no --batches"] * (choice["batches"] not in ("device", "loader"))
+    if damage:
+        raise UserError(f"autotune cache {path} is damaged ({'; '.join(damage[:3])})")
+    return cache["entries"]
+
+
+def remember(path: Path, key: dict, choice: Choice, facts: dict) -> str:
+    """Add (or replace) the choice for `key`, with the `facts` it was decided from (measured, load_ms, seconds,
+    date): under a lock, so that runs starting together all keep theirs, written whole or not at all; a damaged file
+    is replaced. Returns the line saying where it is kept, or that it could not be (the run trains all the same)."""
+    stored = {name: value for name, value in asdict(choice).items() if name != "threads"}
+    entry = {"key": key, "choice": stored | facts | {"lines": []}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{path}.lock", timeout=60):
+            entries = [old for old in entries_to_keep(path) if old["key"] != key]
+            write_json(path, {"version": CACHE_VERSION, "entries": [*entries, entry]})
+    except (OSError, OutputError, Timeout):
+        return f"Auto: could not remember this in {path} (not writable): the next run measures again"
+    return f"Auto: remembered in {path} (delete it, or pass --remeasure, to measure again)"
+
+
+def entries_to_keep(path: Path) -> list[dict]:
+    """The file's entries; none if it is damaged (remembered() warned of it): it is replaced whole."""
+    try:
+        return read_entries(path)
+    except UserError:
+        return []

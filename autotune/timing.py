@@ -1,0 +1,178 @@
+"""What auto times (autotune/choose.py decides from it): train_one_epoch's steps of the run's model in each way of
+computing, the largest micro-batch that fits a GPU, one loader worker's images, and batches made on the device."""
+
+import contextlib
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+from dataset.on_device import TrainingBatches, crop_and_flip, hold
+from dataset.sampling import sample_seeds
+from multi_train_utils.distributed_utils import get_world_size, shuffled_batches
+from multi_train_utils.memory import largest_that_fits, pass_fits
+from multi_train_utils.train_eval_utils import Choice, Training, train_one_epoch
+from my_dataset import loaders
+from network.architectures import create_model, freeze_all_but_head
+from network.checkpointing import enable_grad_checkpointing
+from utils import UserError
+
+MAX_ROUNDS = 3  # timed samples per candidate, taken in turns: the fastest of them counts
+MEASURE_SHARE = 0.05  # more than one round only while the measuring stays within this share of the run's training
+SAMPLE_SECONDS = 0.05  # a timed sample is at least this long (several steps where a step is quicker)
+LOAD_IMAGES = 16  # training images loaded to time loading in this process (after one untimed)
+LOADER_BATCHES = 3  # batches a loader worker delivers to time it (after its first)
+
+
+def time_candidates(candidates: list[Choice], config, plan, device: torch.device) -> dict:
+    """Seconds per image of train_one_epoch's steps of the run's model in each candidate, on a synthetic batch of the
+    run's size: the fastest of the samples taken in turns (take_turns), after one untimed step each (two on a GPU,
+    whose first also sets up its libraries). The run's random state is left as it was."""
+    classes = len(plan.split.classes)
+    images = config.epochs * len(plan.split.train_images) / get_world_size()  # what this process will train
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model = measured_model(config, classes, device)
+        steps = stepper(model, config.batch_size, config.img_size, classes, device)
+        best = take_turns(steps, candidates, 1 if device.type == "cpu" else 2, images / config.batch_size)
+    del model, steps
+    if device.type == "cuda":  # the run's own memory figures should not include the measuring
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return {candidate: seconds / config.batch_size for candidate, seconds in best.items()}
+
+
+def take_turns(steps, candidates: list[Choice], warm_up: int, run_steps: float) -> dict:
+    """The fastest step of each candidate, in seconds: `warm_up` untimed steps each, then rounds of one sample per
+    candidate (a step, or several where a step is quicker than SAMPLE_SECONDS): more rounds, up to MAX_ROUNDS, only
+    while the measuring stays within MEASURE_SHARE of the run's `run_steps` steps. A machine whose speed drifts
+    slows every candidate alike."""
+    start = time.perf_counter()
+    warmed = {candidate: [steps(candidate, 1) for _ in range(warm_up)][-1] for candidate in candidates}
+    count = {candidate: max(1, math.ceil(SAMPLE_SECONDS / seconds)) for candidate, seconds in warmed.items()}
+    best = {candidate: math.inf for candidate in candidates}
+    for _ in range(MAX_ROUNDS):
+        round_start = time.perf_counter()
+        for candidate in candidates:
+            best[candidate] = min(best[candidate], steps(candidate, count[candidate]) / count[candidate])
+        now = time.perf_counter()
+        if now - start + (now - round_start) > MEASURE_SHARE * run_steps * min(best.values()):
+            break
+    return best
+
+
+def stepper(model, batch_size: int, img_size: int, classes: int, device: torch.device):
+    """steps(candidate, count): the seconds `count` steps of train_one_epoch take in `candidate`, on one synthetic
+    batch on the device. Plain SGD: momentum or AdamW would cost every candidate alike (the weights are float32 in
+    all of them), and their state would keep the first candidate's layout."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, img_size, img_size, generator=generator).to(device)
+    labels = torch.randint(0, classes, (batch_size,), generator=generator)  # on the host, as a loader gives them
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def steps(candidate: Choice, count: int) -> float:
+        model.to(memory_format=candidate.memory_format)  # in place
+        batch = candidate.batch_to(images, device)
+        training = Training(model, optimizer, choice=candidate, scaler=candidate.grad_scaler(device))
+        synchronize(device)
+        start = time.perf_counter()
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # (its progress bar)
+            train_one_epoch(training, [(batch, labels)] * count, device, epoch=0)  # ends with the device done
+        return time.perf_counter() - start
+
+    return steps
+
+
+def measured_model(config, classes: int, device: torch.device):
+    """A model such as the run trains (not its weights): the caller keeps the run's random state."""
+    model = create_model(classes, config.model)
+    if config.freeze_layers:
+        freeze_all_but_head(model, config.model)
+    if config.grad_checkpointing:  # its memory and its time: each block computed twice
+        enable_grad_checkpointing(model, config.model)
+    return model.to(device).train()
+
+
+def fitting_micro_batch(config, plan, device: torch.device, hungriest: Choice, held: int = 0):
+    """(the largest micro-batch of the run's model that fits `device`, None for the whole batch; the line saying
+    so): passes on synthetic batches in `hungriest`'s precision (float32's activations take most memory), beside
+    what training holds besides: the optimizer's moments, DDP's gradient buckets, the images `held` there."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model = measured_model(config, len(plan.split.classes), device).to(memory_format=hungriest.memory_format)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        copies = (2 if config.opt == "adamw" else 1) + (get_world_size() > 1)
+        reserve = copies * sum(p.numel() * p.element_size() for p in trained) + held
+        images = torch.randn(config.batch_size, 3, config.img_size, config.img_size, device=device)
+        images = images.contiguous(memory_format=hungriest.memory_format)
+        size = largest_that_fits(lambda m: pass_fits(model, hungriest, images[:m], reserve, train=True), len(images))
+    where = f"{config.model} at {config.img_size} px on {device}"
+    if size == 0:
+        raise UserError(f"not even one image fits in the memory of {where}: a smaller --img-size, "
+                        "--grad-checkpointing, or a device with more memory")  # fmt: skip
+    if size == config.batch_size:
+        return None, [f"Auto: the whole batch of {size} images fits in the memory of {where}"]
+    return size, [
+        f"Auto: micro-batches of {size} images, the most that fit in the memory of {where}: each step sums "
+        f"the gradients of {math.ceil(config.batch_size / size)} of them (--batch-size {config.batch_size} unchanged)"
+    ]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the device has finished the work queued on it (the CPU computes as it is asked)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_loading(train_set, config, device: torch.device) -> float:
+    """Seconds per image that one loader worker delivers, as the scripts' loaders ship them (loaders): LOADER_BATCHES
+    batches after its first (the worker's start). Where the set holds too few, one core's in this process."""
+    batches = shuffled_batches(train_set, config.batch_size, seed=0)
+    if len(batches) < LOADER_BATCHES + 1:
+        return time_loading_here(train_set)
+    loader = loaders(train_set, train_set, batches, [], config, Choice(workers=1), device)[0]
+    loaded = iter(loader)
+    next(loaded)  # the worker starts, and loads its first batch
+    start = time.perf_counter()
+    for _ in range(LOADER_BATCHES):
+        next(loaded)
+    seconds = time.perf_counter() - start
+    del loaded, loader  # the worker stops
+    return seconds / (LOADER_BATCHES * config.batch_size)
+
+
+def time_loading_here(train_set) -> float:
+    """Seconds one core takes to load one image of `train_set` in this process, as a worker does (one thread): the
+    mean over LOAD_IMAGES images after an untimed first (it imports image plug-ins)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_set[(0, 0)]
+        count = min(LOAD_IMAGES, len(train_set))
+        start = time.perf_counter()
+        for index in range(count):
+            train_set[(index, index)]  # (index, augmentation seed), as the loader asks
+        return (time.perf_counter() - start) / count
+    finally:
+        torch.set_num_threads(threads)
+
+
+def device_seconds_per_image(train_set, batch_size: int, device: torch.device, memory_format) -> float:
+    """Seconds the device takes to make a training batch, per image: the first images held there, repeated to a
+    batch, made once untimed, then the faster of two."""
+    sample = list(range(min(batch_size, len(train_set))))
+    held = hold(train_set, crop_and_flip(train_set.transform)[0].size[0], device, sample)
+    batches = TrainingBatches(train_set, [], device, memory_format, held=held)
+    index = np.resize(np.arange(len(sample)), batch_size)
+    seeds = sample_seeds(0, 0, index)
+
+    def make() -> float:
+        start = time.perf_counter()
+        batches.make(index, seeds)
+        synchronize(device)
+        return time.perf_counter() - start
+
+    make()
+    return min(make() for _ in range(2)) / batch_size

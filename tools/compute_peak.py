@@ -1,0 +1,92 @@
+"""What a row's "% of peak" is measured against: the machine's compute peak in each precision and a training step's
+FLOPs per image; and a row of benchmark.json, with that fraction."""
+
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from autotune.choose import PRECISION_NAMES
+from autotune.timing import synchronize
+from multi_train_utils.train_eval_utils import Choice
+from network.architectures import create_model
+
+
+def measure_peaks(choices: list[Choice], device: torch.device) -> dict:
+    """The compute peak of float32 and of every other precision of `choices`, in FLOP/s, by name ("float32",
+    "bfloat16", ...)."""
+    dtypes = {torch.float32} | {choice.amp_dtype for choice in choices if choice.amp_dtype is not None}
+    return {peak_name(dtype): compute_peak(dtype, device) for dtype in sorted(dtypes, key=str, reverse=True)}
+
+
+def peak_name(dtype: torch.dtype | None) -> str:
+    return str(dtype or torch.float32).removeprefix("torch.")
+
+
+def compute_peak(dtype: torch.dtype, device: torch.device) -> float:
+    """FLOP/s of the fastest dense work in `dtype` on `device` (the CPU: all of this process's cores), the best of 6
+    rounds: square matrix products and, on the CPU, 3x3 convolutions of 512 channels (MKL's float32 products reach
+    half of oneDNN's convolutions on AMD CPUs). A round lasts long beside its launch: one 2048-wide product on the
+    CPU, ten 8192-wide ones queued on a GPU. float32 is timed as training computes it: on a GPU cuDNN's convolutions
+    use TensorFloat-32, so the products are timed with it too."""
+    on_gpu = device.type == "cuda"
+    size, per_round = (8192, 10) if on_gpu else (2048, 1)
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    product = torch.empty_like(a)
+    products = lambda: [torch.matmul(a, b, out=product) for _ in range(per_round)]  # noqa: E731
+    works = [(2 * size**3 * per_round, products)]  # (its FLOPs, the work)
+    if not on_gpu:
+        images, kernels = torch.randn(16, 512, 28, 28).to(dtype), torch.randn(512, 512, 3, 3).to(dtype)
+        works.append((2 * 16 * 512 * 512 * 9 * 28 * 28, lambda: torch.nn.functional.conv2d(images, kernels, padding=1)))
+    tf32 = on_gpu and dtype == torch.float32
+    precision = torch.get_float32_matmul_precision()
+    if tf32:
+        torch.set_float32_matmul_precision("high")
+    try:
+        return max(flops / best_of_rounds(work, device) for flops, work in works)
+    finally:
+        if tf32:
+            torch.set_float32_matmul_precision(precision)
+
+
+def best_of_rounds(work, device: torch.device, rounds: int = 6) -> float:
+    """The shortest of `rounds` timed calls of work(), in seconds, each from an idle device to an idle device."""
+    best = float("inf")
+    for _ in range(rounds):
+        synchronize(device)
+        start = time.perf_counter()
+        work()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def training_flops_per_image(model_name: str, img_size: int) -> float:
+    """Floating-point operations of one training step (forward and backward) of the model, per image."""
+    model, batch = create_model(5, model_name), 2
+    images, labels = torch.randn(batch, 3, img_size, img_size), torch.zeros(batch, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+    return counter.get_total_flops() / batch
+
+
+def row(name: str, kind: str, processes: int, precision: str, measured: dict, peak=None, flops=None) -> dict:
+    """One row of benchmark.json; `peak` is the FLOP/s of the precision it computed in, `flops` a training step's
+    FLOPs per image (both None for a row that does not train: its peak_fraction is None)."""
+    peak_fraction = measured["img_per_sec"] * flops / peak if flops is not None else None
+    return {"name": name, "kind": kind, "processes": processes, "precision": precision, **measured,
+            "peak_fraction": peak_fraction}  # fmt: skip
+
+
+def trained_row(name: str, kind: str, processes: int, choice: Choice, measured: dict, peaks: dict, flops: float):
+    """A row that trained computing as `choice` says, against that precision's peak (of `peaks`)."""
+    return row(name, kind, processes, described(choice), measured, peaks[peak_name(choice.amp_dtype)], flops)
+
+
+def described(choice: Choice) -> str:
+    """E.g. "bfloat16 autocast, channels_last": a row's precision and layout."""
+    return f"{PRECISION_NAMES[choice.amp]}, {'channels_last' if choice.channels_last else 'NCHW'}"
+
+
+def worker_phrase(count: int) -> str:
+    return f"{count} worker{'s' * (count != 1)}"

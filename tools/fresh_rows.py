@@ -1,0 +1,181 @@
+"""The benchmark's rows measured each in a fresh process, so that none inherits another's warm caches, memory or
+threads: train_one_epoch over one batch already on the device (the ceiling; in float32 NCHW; compiled), the
+training loader alone, and train_one_epoch fed as torchvision's reference scripts and timm feed a GPU (peer-style).
+Each trains the scripts' model with their optimizer, built as they build them; only the feeding differs."""
+
+import itertools
+import math
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import replace
+from queue import Empty
+
+import torch
+from torch.utils.data import DataLoader
+from torchvision import transforms as T
+from torchvision.datasets import ImageFolder
+
+from autotune.timing import synchronize
+from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD
+from model import initial_model
+from multi_train_utils.distributed_utils import Process, shuffled_batches, single_process
+from multi_train_utils.train_eval_utils import Choice, Training, train_one_epoch
+from my_dataset import datasets, loaders
+from recipe.optimizer import build_optimizer
+from run.metrics import peak_memory
+from tools.compute_peak import row, trained_row, worker_phrase
+from utils import UserError
+
+UNTIMED_STEPS = 3  # allocations, kernel choices (and the compilation, timed apart)
+
+
+def model_rows(args, config, choice: Choice, peaks: dict, flops: float):
+    """train_one_epoch over one batch on the device, in what auto chose (`choice`): the ceiling; the same in float32
+    NCHW; the same compiled (torch.compile's defaults). Each row yielded as it is measured, if --rows has its kind."""
+    cases = [("model only (the ceiling)", "model-only", choice, False),
+             ("model only, float32 NCHW", "model-only", replace(choice, amp="off", channels_last=False), False),
+             ("model only, torch.compile", "compile", choice, True)]  # fmt: skip
+    for name, kind, case, compiled in cases:
+        if kind in args.rows:
+            measured = in_fresh_process(name, _model_only, config, case, compiled, args.steps)
+            yield trained_row(name, kind, 1, case, measured, peaks, flops)
+
+
+def _model_only(queue, config, choice: Choice, compiled: bool, steps: int) -> None:
+    """In a fresh process: images per second of `steps` steps of train_one_epoch over one batch of random images
+    already on the device (its loader: a list of that batch, the labels on the host as a loader gives them), after
+    UNTIMED_STEPS untimed ones, the device synchronised before the clock starts and before it stops. Compiled: what
+    the first step took more than a compiled one is compile_seconds."""
+    sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
+    device = single_process(config.device).device  # (on a GPU: cuDNN's benchmark mode, as the scripts)
+    training = training_for(config, choice, device, classes=5, batches_per_epoch=1, compiled=compiled)
+    generator = torch.Generator().manual_seed(0)
+    shape = (config.batch_size, 3, config.img_size, config.img_size)
+    pixels = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)  # as a loader gives them
+    batch = choice.batch_to(pixels, device), torch.randint(0, 5, (config.batch_size,))
+
+    def seconds(count: int) -> float:
+        start = time.perf_counter()
+        train_one_epoch(training, [batch] * count, device, epoch=0)
+        synchronize(device)
+        return time.perf_counter() - start
+
+    first = seconds(1)
+    seconds(UNTIMED_STEPS - 1)
+    timed = seconds(steps)
+    measured = {"img_per_sec": steps * config.batch_size / timed}
+    if compiled:
+        measured["compile_seconds"] = first - timed / steps
+    queue.put(measured | peak_memory(device))
+
+
+def training_for(config, choice: Choice, device, classes: int, batches_per_epoch: int, compiled=False) -> Training:
+    """What these rows train: the scripts' model (config.model, initial_model) and optimizer at their default
+    settings, computing as `choice` says; the model compiled if `compiled`."""
+    model = initial_model(config.model, classes, device, choice.memory_format)
+    optimizer, _ = build_optimizer(model, config, batches_per_epoch)
+    trained = torch.compile(model) if compiled else model
+    return Training(trained, optimizer, choice=choice, scaler=choice.grad_scaler(device))
+
+
+def loader_rows(args, config, plan, workers: int):
+    """The training loader alone (if --rows has it): with 1 worker, and with the workers auto chose for the scripts
+    (at least 1: where they use none, they load between steps). Each row yielded as it is measured."""
+    if "loader" not in args.rows:
+        return
+    if workers == 0:
+        theirs = "loader, 1 worker (the training scripts here: none, images loaded between steps)"
+    else:
+        theirs = f"loader, {worker_phrase(workers)} (as the training scripts)"
+    start_method = multiprocessing.get_start_method()  # what a script's loader gets: the platform's default
+    for count, name in ((1, "loader, 1 worker"), (max(1, workers), theirs)):
+        measured = in_fresh_process(name, _loader, config, plan, count, args.loader_images, start_method)
+        measured["img_per_sec_per_worker"] = measured["img_per_sec"] / count
+        yield row(name, "loader", 1, "–", measured)
+
+
+def _loader(queue, config, plan, workers: int, images: int, start_method: str) -> None:
+    """In a fresh process: images per second of the training loader as the scripts build it (datasets, loaders),
+    iterated without a model, its workers started as a script's are (`start_method`). The first max(2, workers)
+    batches are not timed (the workers start); then at least `images` images, in whole rounds of `workers`
+    batches (the workers deliver in turn), over as many epochs as that takes."""
+    multiprocessing.set_start_method(start_method, force=True)
+    device = torch.device(config.device)
+    train_set, val_set, decoded = datasets(plan.split, config, Process(device=device))
+    batches = shuffled_batches(train_set, config.batch_size, config.seed)
+    train_loader, _ = loaders(train_set, val_set, batches, range(len(val_set)), config, Choice(workers=workers), device)
+    batches = batches_over_epochs(train_loader)
+    for _ in range(max(2, workers)):
+        next(batches)
+    rounds = math.ceil(math.ceil(images / config.batch_size) / workers)
+    start = time.perf_counter()
+    loaded = sum(len(next(batches)[1]) for _ in range(rounds * workers))
+    seconds = time.perf_counter() - start
+    cpu = peak_memory(torch.device("cpu"))
+    queue.put({"img_per_sec": loaded / seconds, "workers": workers, "decoded": decoded, **cpu})
+
+
+def batches_over_epochs(loader):
+    """The loader's batches, epoch after epoch without end, each epoch with its own shuffle as in training."""
+    for epoch in itertools.count():
+        loader.batch_sampler.set_epoch(epoch)
+        yield from loader
+
+
+def peer_rows(args, config, choice: Choice, peaks: dict, flops: float):
+    """The peer-style row (if --rows has it), in what auto chose."""
+    if "peer" not in args.rows:
+        return
+    measured = in_fresh_process("peer", _peer, config, args.data_path, choice, args.epochs)
+    name = f"peer-style: ImageFolder, PIL, {worker_phrase(measured['workers'])}, pinned"
+    yield trained_row(name, "peer", 1, choice, measured, peaks, flops)
+
+
+def _peer(queue, config, data_path, choice: Choice, epochs: int) -> None:
+    """In a fresh process: train_one_epoch fed by a torchvision-style loader (an ImageFolder of every image of
+    `data_path`, PIL crops and flips, ToTensor and Normalize, as many workers as cores, pinned, persistent), `epochs`
+    epochs; images per second over the epochs after the first, each from its first batch asked for to its last
+    step done on the device."""
+    sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
+    device = single_process(config.device).device
+    augment = T.Compose([T.RandomResizedCrop(config.img_size), T.RandomHorizontalFlip(), T.ToTensor(),
+                         T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])  # fmt: skip
+    dataset = ImageFolder(data_path, transform=augment)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    loader = DataLoader(dataset, config.batch_size, shuffle=True, num_workers=cores, drop_last=True,
+                        pin_memory=device.type == "cuda", persistent_workers=True)  # fmt: skip
+    training = training_for(config, choice, device, len(dataset.classes), len(loader))
+    images_seen, seconds = 0, 0.0
+    for epoch in range(epochs):
+        start = time.perf_counter()
+        _, images = train_one_epoch(training, loader, device, epoch)
+        synchronize(device)
+        images_seen += images if epoch else 0
+        seconds += time.perf_counter() - start if epoch else 0.0
+    queue.put({"img_per_sec": images_seen / seconds, "workers": cores, **peak_memory(device)})
+
+
+def in_fresh_process(name: str, target, *args) -> dict:
+    """What `target(queue, *args)` puts on the queue, run in a new process forked from multiprocessing's
+    forkserver: a process that has imported this module (torch with it) and run nothing, so that a row does not
+    spend seconds importing torch anew."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        # By its name: Python 3.11's forkserver does not preload "__main__" from a script's path
+        context.set_forkserver_preload(["tools.fresh_rows"])
+    else:  # Windows has no fork server: each row a new interpreter
+        context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=target, args=(queue, *args))
+    process.start()
+    while True:
+        try:
+            result = queue.get(timeout=1)
+            break
+        except Empty:
+            if not process.is_alive():
+                raise UserError(f"{name}: its process failed (exit status {process.exitcode}); see above") from None
+    process.join()
+    return result

@@ -1,0 +1,204 @@
+"""The benchmark's rows that run the scripts as a user does, each in a new interpreter (or group of processes):
+train_single_gpu.py with auto (first: the other rows compute as it chose), as the original ran (baseline), in fixed
+precisions and layouts, with its batches made where auto did not choose (paths), profiled (tools/profile_steps.py);
+the two DDP scripts; the demo; predict.py. A training row's figures are its run's metrics.jsonl, averaged over the
+epochs after the first."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from autotune.remembered import cache_file, read_entries
+from multi_train_utils.train_eval_utils import Choice
+from run.config import DEMO_DEFAULTS
+from tools.compute_peak import described, row, trained_row, worker_phrase
+from tools.profile_steps import SUMMARY_NAME, printed
+from utils import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+SINGLE = [str(ROOT / "train_single_gpu.py")]
+# The fixed configurations auto is compared with: --amp, channels_last
+FIXED = {"float32-nchw": ("off", False), "float32-channels_last": ("off", True), "bf16-nchw": ("bf16", False),
+         "bf16-channels_last": ("bf16", True)}  # fmt: skip
+
+
+def auto_run(args) -> tuple[dict, Choice]:
+    """train_single_gpu.py as a user runs it, what --amp and --channels-last leave to auto measured in this, its
+    first run here: its figures (with measure_seconds: what measuring took) and what auto chose."""
+    measured = run_script(args, "auto", SINGLE, ["--amp", args.amp, *layout_flags(args.channels_last)])
+    measured["measure_seconds"] = measuring_seconds(args.img_size, args.batch_size)
+    log = (args.output_dir / "logs" / "auto.log").read_text()
+    workers = int(re.search(r"(\d+) loader workers per process", log).group(1))
+    return measured, replace(chosen(args, "auto"), workers=workers)
+
+
+def chosen(args, name: str) -> Choice:
+    """How the run `name` computed, as its args.json records what auto chose for it (a DDP run measures on its own
+    share of the cores, and may choose otherwise): precision, layout, micro-batch, where batches were made."""
+    record = json.loads((args.output_dir / "runs" / name / "args.json").read_text())
+    return Choice(record["amp"], record["channels_last"], record["micro_batch"], record["batches"])
+
+
+def measuring_seconds(img_size: int, batch_size: int) -> float | None:
+    """What auto's measuring took in the first single-process run at this size (from the benchmark's own cache of
+    auto's choices); None if that run measured nothing (every choice given by a flag)."""
+    for entry in read_entries(cache_file()):
+        key = entry.get("key", {})
+        if (key.get("img_size"), key.get("batch_size"), key.get("processes_here")) == (img_size, batch_size, 1):
+            return entry["choice"]["seconds"]
+    return None
+
+
+def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
+    """The training scripts end to end but auto's run (measured first), each row yielded as it is measured (those of
+    the kinds in --rows): the original's setup, the fixed configurations, the other batch path, the two DDP scripts
+    (precision and layout left to auto, which measures for them anew) and the demo."""
+    if "baseline" in args.rows:
+        original = Choice(workers=min(os.cpu_count() or 1, args.batch_size, 8))  # float32, NCHW, its num_workers
+        measured = run_script(args, "baseline", SINGLE, [*choice_flags(original), "--no-persistent-workers"])
+        yield trained_row("baseline: the original's setup", "baseline", 1, original, measured, peaks, flops)
+    for name in args.fixed:
+        amp, channels_last = FIXED[name]
+        fixed = replace(choice, amp=amp, channels_last=channels_last, micro_batch=None)  # fed as auto chose
+        measured = run_script(args, f"fixed-{name}", SINGLE, choice_flags(fixed))
+        yield trained_row(f"fixed: {fixed.name()}", "fixed", 1, fixed, measured, peaks, flops)
+    yield from path_rows(args, choice, peaks, flops)
+    yield from ddp_rows(args, nprocs, peaks, flops)
+    if "demo" in args.rows:
+        demo = run_script(args, "demo", SINGLE, [], demo=True)
+        demo["measure_seconds"] = measuring_seconds(DEMO_DEFAULTS["img_size"], DEMO_DEFAULTS["batch_size"])
+        yield row("train_single_gpu.py --demo, its first run", "demo", 1, described(chosen(args, "demo")), demo)
+
+
+def path_rows(args, choice: Choice, peaks: dict, flops: float):
+    """train_single_gpu.py with its batches made where auto did not choose to make them (the device, or the loader
+    with its workers left to auto), if --rows has "paths", in auto's precision and layout; a path the script
+    refuses here (the images do not fit on the device, say) is left out with the script's line saying why."""
+    if "paths" not in args.rows:
+        return
+    for path in {"device", "loader"} - {choice.batches}:
+        flags = ["--amp", choice.amp, *layout_flags(choice.channels_last), "--batches", path]
+        try:
+            measured = run_script(args, f"batches-{path}", SINGLE, flags)
+        except UserError as failed:
+            print(f"  --batches {path}: left out ({failed})", flush=True)
+            continue
+        name = f"train_single_gpu.py, --batches {path}"
+        yield trained_row(name, "paths", 1, chosen(args, f"batches-{path}"), measured, peaks, flops)
+
+
+def ddp_rows(args, nprocs: int, peaks: dict, flops: float):
+    """The two DDP launch scripts with `nprocs` processes, as the auto row (if --rows has their kinds)."""
+    ours = ["--amp", args.amp, *layout_flags(args.channels_last)]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
+    launches = {
+        "torchrun": ([*torchrun, str(ROOT / "train_multi_gpu_using_launch.py")], ours),
+        "spawn": ([str(ROOT / "train_multi_gpu_using_spawn.py")], [*ours, "--world-size", str(nprocs)]),
+    }
+    for kind, (script, flags) in launches.items():
+        if kind in args.rows:
+            measured = run_script(args, kind, script, flags)
+            yield trained_row(f"{kind}, {nprocs} processes", kind, nprocs, chosen(args, kind), measured, peaks, flops)
+
+
+def profile_rows(args, choice: Choice):
+    """train_single_gpu.py as auto chose, its second epoch's first --profile-steps steps traced (if --rows has
+    "profile"): the trace in --output-dir, its summary printed; the row's img/s is the traced steps' (the
+    profiler's own cost included)."""
+    if "profile" not in args.rows:
+        return
+    tracer = [str(ROOT / "tools" / "profile_steps.py"), "--epoch", "1", "--steps", str(args.profile_steps)]
+    tracer += ["--trace-dir", str(args.output_dir), *SINGLE]
+    measured = run_script(args, "profile", tracer, [*choice_flags(choice), "--epochs", "2"])
+    found = json.loads((args.output_dir / SUMMARY_NAME).read_text())
+    print(printed(found), flush=True)
+    found["img_per_sec"] = found["traced_steps"] * args.batch_size / found["traced_seconds"]
+    feeding = "batches made on the device" if choice.on_device else worker_phrase(choice.workers)
+    memory = {key: value for key, value in measured.items() if key.startswith("peak_")}
+    found |= {"workers": choice.workers, **memory}
+    yield row(f"profile: train_one_epoch, {feeding}", "profile", 1, described(choice), found)
+
+
+def choice_flags(choice: Choice) -> list[str]:
+    """The scripts' flags that train as `choice` says (its micro-batch, where it has none, left to auto)."""
+    flags = ["--amp", choice.amp, *layout_flags(choice.channels_last), "--workers", str(choice.workers)]
+    flags += ["--batches", choice.batches]
+    return flags + (["--micro-batch", str(choice.micro_batch)] if choice.micro_batch else [])
+
+
+def layout_flags(channels_last: bool | None) -> list[str]:
+    """The flag for a layout (none for None: auto's)."""
+    return [] if channels_last is None else ["--channels-last" if channels_last else "--no-channels-last"]
+
+
+def settings_flags(args) -> list[str]:
+    """The scripts' flags for the benchmark's model, crop size and batch size."""
+    return ["--model", args.model, "--img-size", str(args.img_size), "--batch-size", str(args.batch_size)]
+
+
+def run_script(args, name: str, script: list, flags: list, demo: bool = False) -> dict:
+    """Train with a script (`script`: what follows `python`) on the benchmark's data and settings, or (`demo`) as
+    --demo does, `flags` last; speed and memory from the metrics.jsonl it writes."""
+    out = args.output_dir / "runs" / name
+    command = [sys.executable, *script, "--output-dir", str(out), "--device", args.device]
+    if not demo:
+        command += [*settings_flags(args), "--data-path", str(args.data_path), "--epochs", str(args.epochs)]
+    command += [*flags, "--demo"] if demo else flags
+    wall = logged_run(args, name, command)
+    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steady = epochs[1:]
+    return {
+        "img_per_sec": sum(m["train_images_per_sec"] for m in steady) / len(steady),
+        "epoch_seconds": sum(m["epoch_seconds"] for m in steady) / len(steady),
+        "first_epoch_seconds": epochs[0]["epoch_seconds"],
+        "run_seconds": wall,
+        "val_acc": epochs[-1]["val_acc"],
+        "peak_rss_mib": max((m["peak_rss_mib"] for m in epochs if "peak_rss_mib" in m), default=None),
+        **({"peak_gpu_mib": max(m["peak_gpu_mib"] for m in epochs)} if "peak_gpu_mib" in epochs[0] else {}),
+    }
+
+
+def logged_run(args, name: str, command: list) -> float:
+    """Run `command`, its output to --output-dir/logs/NAME.log; its wall seconds, or UserError if it fails."""
+    log = args.output_dir / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"  {name}: {' '.join(command[1:])}", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        result = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise UserError(f"{name} failed (exit status {result.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def predict_rows(args, nprocs: int, measured: list[dict]):
+    """predict.py after training (if --rows has it): in one process, then with `nprocs` under torchrun, on every
+    image of the data with auto's weights, each row yielded as it is measured. Beside each, the model-only ceiling
+    from the rows `measured` so far: what scoring an image costs against learning it."""
+    if "predict" not in args.rows:
+        return
+    ceiling = next((row["img_per_sec"] for row in measured if row["kind"] == "model-only"), None)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
+    for processes, launcher in ((1, []), (nprocs, torchrun)):
+        name = f"predict.py, {processes} process{'es' * (processes > 1)}" + (", torchrun" if launcher else "")
+        figures = run_predict(args, f"predict-{processes}", [*launcher, str(ROOT / "predict.py")])
+        figures["training_step_img_per_sec"] = ceiling
+        yield row(name, "predict", processes, described(chosen(args, "auto")), figures)
+
+
+def run_predict(args, name: str, script: list) -> dict:
+    """predict.py (`script`: what follows `python`) with auto's best weights on the benchmark's data, into a
+    results file; its speed from the line it ends with ("... (24.0 images/s, ...)")."""
+    weights = args.output_dir / "runs" / "auto" / "weights" / "best.pth"
+    results = args.output_dir / "runs" / f"{name}.csv"
+    command = [sys.executable, *script, str(args.data_path), "--weights", str(weights), "--results", str(results)]
+    wall = logged_run(args, name, [*command, "--device", args.device])
+    speed = re.search(r"\(([\d.]+) images/s", (args.output_dir / "logs" / f"{name}.log").read_text())
+    if speed is None:
+        raise UserError(f"{name} did not say its speed; see {args.output_dir / 'logs' / f'{name}.log'}")
+    return {"img_per_sec": float(speed[1]), "run_seconds": wall}
