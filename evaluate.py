@@ -7,15 +7,8 @@ torchrun --nproc_per_node=2 evaluate.py --weights best.pth                     #
 python evaluate.py --weights best.pth --world-size 2                           # DDP, spawn
 
 The data folder, validation rate, seed and image size default to the run's own (its args.json), so the split is
-the one the run validated on; flags override them. A data folder of train/ and val/ alone is split as given
-(read_split_data decides, as it did for the run): its val/ images are evaluated, whatever the rate and seed.
-Writes eval.json and confusion_matrix.png. Under torchrun, or with --world-size (torch.multiprocessing.spawn), each
-process scores its share of the images and the counts are summed: the same scores as one process gives, each image
-counted once.
-
-Top-5 accuracy (the true class among an image's 5 highest logits) is reported with more than 5 classes only: with
-5 or fewer every image's true class is among its top 5, so it would always be 1. eval.json then has
-"top5_accuracy": null and "top5_correct": null, and nothing is printed for it.
+the one the run validated on. Writes eval.json and confusion_matrix.png. Under DDP each process scores its share
+and the counts are summed, each image counted once. docs/trained-models.md says more.
 """
 
 from dataclasses import dataclass
@@ -29,13 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from dataset.folders import read_split_data
 from dataset.image_check import CHECKED_IMAGES, ImageCheck
 from inference.results import add_results_arguments, check_results_file, results_file
-from inference.scoring import (
-    add_scoring_arguments,
-    join_group,
-    rows_of,
-    scored_batches,
-    spawned_world_size,
-)
+from inference.scoring import add_scoring_arguments, join_group, rows_of, scored_batches, spawned_world_size
 from inference.trained import add_model_arguments, image_loader, load_trained_model
 from multi_train_utils.bookkeeping import Tally
 from multi_train_utils.distributed_utils import (
@@ -62,24 +49,19 @@ from utils import (
     write_json,
 )
 
-TOPK = 5  # top-5 accuracy, reported with more classes than this
+TOPK = 5  # top-5 accuracy, reported with more classes than this only (else always 1: null in eval.json)
 
 
 def per_class_scores(confusion: torch.Tensor) -> dict[str, list]:
-    """Precision, recall, F1 and support of each class, from a confusion matrix (rows: true class, columns:
-    predicted).
-
-    A class that was never predicted has precision 0.0 (no correct predictions), not an undefined 0/0; likewise
-    the recall of a class without images. F1 is 2PR/(P+R), 0.0 where P+R is 0 (no correct predictions).
-    """
+    """Precision, recall, F1 and support of each class, from a confusion matrix (rows: true class); 0.0, not 0/0,
+    where a class was never predicted or has no images."""
     correct = confusion.diagonal().double()
     predicted, support = confusion.sum(dim=0), confusion.sum(dim=1)
     # correct <= predicted and correct <= support, so dividing by at least 1 changes only the 0/0 cases, to 0.0
     return {
         "precision": (correct / predicted.clamp(min=1)).tolist(),
         "recall": (correct / support.clamp(min=1)).tolist(),
-        # 2PR/(P+R) with P = correct/predicted and R = correct/support is 2 correct/(predicted + support): in counts,
-        # exact, and 0 when correct is 0
+        # 2PR/(P+R) in counts: 2 correct/(predicted + support), exact
         "f1": (2 * correct / (predicted + support).clamp(min=1)).tolist(),
         "support": support.tolist(),
     }
@@ -97,12 +79,11 @@ def plot_confusion_matrix(confusion: torch.Tensor, classes: list[str], title: st
     """A PNG of the confusion matrix: counts in the cells, class names on both axes."""
     counts = confusion.numpy()
     side = max(5.0, 0.8 * len(classes) + 2.5)  # inches; room for names and counts with many classes
-    # A Figure without pyplot draws with Agg: no display, no global backend state.
     figure = Figure(figsize=(side + 1, side), dpi=100, layout="constrained")
     axes = figure.subplots()
     image = axes.imshow(counts, cmap="Blues")
     figure.colorbar(image, ax=axes, label="images")
-    classes = [printable(name) for name in classes]  # a figure takes text alone
+    classes = [printable(name) for name in classes]
     axes.set_xticks(range(len(classes)), classes, rotation=45, ha="right", rotation_mode="anchor")
     axes.set_yticks(range(len(classes)), classes)
     axes.set(xlabel="predicted class", ylabel="true class", title=printable(title))
@@ -136,8 +117,7 @@ def parse_args(argv=None):
 
 @dataclass
 class Evaluation:
-    """What evaluate.py scores and where it writes: the images and their labels, eval.json's "split", the line
-    that says which images they are, those left out of the split as unreadable, and the output folder."""
+    """What evaluate.py scores and where it writes."""
 
     images: list
     labels: list
@@ -158,15 +138,13 @@ def plan(args, trained) -> Evaluation:
     output_dir = args.output_dir or trained.run_folder / "eval"
     check_writable(output_dir)
 
-    # Split exactly as training does: unreadable images left out first, as they were from the run's split (their
-    # verdicts are in the run's folder: ImageCheck decodes only what it has none for). --all takes every image
-    # whatever the split: an unreadable one is found as it is scored, and reported in its row.
+    # Split as training did: unreadable images left out first (ImageCheck reuses the run's verdicts). With --all an
+    # unreadable image is found as it is scored, and reported in its row.
     verify = False if args.all else ImageCheck(data_path, trained.run_folder)
     split = read_split_data(data_path, val_rate, seed, verify_images=verify)
     if split.classes != trained.classes:
         raise UserError(f"{args.weights} was trained on classes {trained.classes}, but {data_path} has {split.classes}")
-    # A run's verdicts kept up to date, a damaged file replaced, as a training run does (none made where there is
-    # none, beside weights of no run)
+    # The run's verdicts kept up to date, as a training run does (none made beside weights of no run)
     if verify and is_main_process() and (trained.run_folder / CHECKED_IMAGES).exists():
         try:
             verify.save(trained.run_folder, merge=True)
@@ -177,8 +155,7 @@ def plan(args, trained) -> Evaluation:
 
 
 def chosen_images(args, split, data_path, val_rate: float, seed: int) -> tuple[list, list, dict, str]:
-    """The images to evaluate (the validation split, or --all), their labels, eval.json's "split", and the line
-    that says which they are."""
+    """The images to evaluate, their labels, eval.json's "split", and the line that says which they are."""
     if args.all:
         images, labels = split.train_images + split.val_images, split.train_labels + split.val_labels
         line = f"Evaluating {args.weights} on all {len(images)} images of {data_path}"
@@ -188,21 +165,6 @@ def chosen_images(args, split, data_path, val_rate: float, seed: int) -> tuple[l
     )
     how = {"given": True} if split.given else {"val_rate": val_rate, "seed": seed}
     return split.val_images, split.val_labels, {"images": "validation", "data_path": str(data_path), **how}, line
-
-
-def scores_report(classes: list[str], confusion: torch.Tensor, scores: dict, in_top5: int | None) -> dict:
-    """eval.json's scores: accuracy, top-5 accuracy (null with 5 classes or fewer), per class, confusion matrix."""
-    correct, total = int(confusion.trace()), int(confusion.sum())
-    return {
-        "accuracy": correct / total,
-        "correct": correct,
-        "total": total,
-        "top5_accuracy": None if in_top5 is None else in_top5 / total,
-        "top5_correct": in_top5,
-        "per_class": {name: {key: values[c] for key, values in scores.items()} for c, name in enumerate(classes)},
-        "classes": classes,
-        "confusion_matrix": confusion.tolist(),  # rows: true class, columns: predicted class
-    }
 
 
 @entry_point
@@ -244,7 +206,7 @@ def evaluate_weights(args, process) -> None:
     shard = val_shard(images, process.rank, process.world_size)
     given = {"img_size": args.img_size, "batch_size": args.batch_size, "workers": args.workers}  # None: the run's
     loader = image_loader(trained, images, labels, shard, process.local_world_size, **given)
-    tally = Tally(len(classes), process.device, TOPK if len(classes) > TOPK else None)  # with 5 classes, top-5 is 1
+    tally = Tally(len(classes), process.device, TOPK if len(classes) > TOPK else None)
     shown = min(args.topk, len(classes))
     # DDP: rank 0 gathers every batch, in the order of the images, and alone writes them
     with torch.inference_mode():
@@ -259,7 +221,7 @@ def evaluate_weights(args, process) -> None:
 def report(args, trained, evaluation: Evaluation, scored) -> None:
     """Print the scores, and write eval.json and confusion_matrix.png."""
     confusion, in_top5 = scored if isinstance(scored, tuple) else (scored, None)
-    correct, total = int(confusion.trace()), int(confusion.sum())
+    correct, total, classes = int(confusion.trace()), int(confusion.sum()), trained.classes
     scores = per_class_scores(confusion)
     images = len(evaluation.images)
     left_out = f"; {images - total} unreadable image(s) left out" if total < images else ""
@@ -267,14 +229,27 @@ def report(args, trained, evaluation: Evaluation, scored) -> None:
     if in_top5 is not None:
         print(f"top-5 accuracy {in_top5 / total:.3f} ({in_top5}/{total})")
     print()
-    print_table(trained.classes, scores)
+    print_table(classes, scores)
 
-    output_dir, img_size = evaluation.output_dir, trained.setting("img_size", args.img_size)
-    written = {"weights": str(args.weights), "split": evaluation.split, "img_size": img_size, "tta": args.tta}
-    write_json(output_dir / "eval.json", written | scores_report(trained.classes, confusion, scores, in_top5))
+    output_dir = evaluation.output_dir
+    report_json = {
+        "weights": str(args.weights),
+        "split": evaluation.split,
+        "img_size": trained.setting("img_size", args.img_size),
+        "tta": args.tta,
+        "accuracy": correct / total,
+        "correct": correct,
+        "total": total,
+        "top5_accuracy": None if in_top5 is None else in_top5 / total,
+        "top5_correct": in_top5,
+        "per_class": {name: {key: values[c] for key, values in scores.items()} for c, name in enumerate(classes)},
+        "classes": classes,
+        "confusion_matrix": confusion.tolist(),  # rows: true class, columns: predicted class
+    }
+    write_json(output_dir / "eval.json", report_json)
     used = evaluation.split["images"]
     title = f"{args.weights.name}: accuracy {correct / total:.3f} ({correct}/{total}, {used} images)"
-    plot_confusion_matrix(confusion, trained.classes, title, output_dir / "confusion_matrix.png")
+    plot_confusion_matrix(confusion, classes, title, output_dir / "confusion_matrix.png")
     files = [output_dir / "eval.json", output_dir / "confusion_matrix.png", *filter(None, [args.results])]
     print(f"\nWrote {', '.join(map(str, files[:-1]))} and {files[-1]}")
 

@@ -3,20 +3,10 @@
 python export.py runs/demo-single/weights/best.pth --format onnx
 python export.py runs/demo-single/weights/best.pth --format torchscript --output flowers.torchscript.pt
 
-ONNX runs in onnxruntime, TensorRT, OpenVINO and others. TorchScript runs in LibTorch (C++), but torch 2.14
-deprecates it (torch.jit warns at every trace, save and load) in favour of torch.export: prefer ONNX unless the
-runtime is LibTorch.
-
-The file holds the network in float32 with NCHW input, whatever the run trained with: --amp's bfloat16 is autocast,
-a PyTorch way of running float32 weights rather than part of them, and channels_last only a memory layout, so a
-runtime gets the weights as they are and is free to lower the precision itself. A deployer also needs what is not
-in the weights: the class names and how images were prepared (resized, centre-cropped, ImageNet-normalised, as
-evaluate.py does). Both travel inside the file: ONNX metadata_props and doc_string, TorchScript extra files.
-
-An exporter can get a graph wrong without failing, so the exported bytes are run, before they are written, by the
-runtime a deployer would use (onnxruntime; torch.jit.load) on a batch of the run's images and compared with
-PyTorch's float32 logits: a maximum absolute difference above 1e-4 stops with nothing written. The file is written
-atomically and an existing one is kept unless --force.
+The file holds the network in float32 with NCHW input whatever the run trained with (autocast and channels_last
+are ways of running the weights, not part of them), with the class names and preprocessing a deployer needs. An
+exporter can get a graph wrong without failing, so the bytes are first run by the runtime a deployer would use and
+compared with PyTorch's logits: nothing is written beyond TOLERANCE. docs/trained-models.md says more.
 """
 
 import contextlib
@@ -37,7 +27,7 @@ from utils import HelpFormatter, Parser, UserError, check_new_file, entry_point,
 
 FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}  # the default output's suffix
 TOLERANCE = 1e-4  # largest absolute difference in logits from PyTorch float32 that the check accepts
-CHECK_IMAGES = 8  # images in the check's batch
+CHECK_IMAGES = 8
 
 
 class ExportCheckError(UserError):
@@ -81,7 +71,7 @@ def output_path(args) -> Path:
 
 
 def preprocessing(img_size: int) -> dict:
-    """How an image becomes the network's input, as inference's val_transform does it, for the file's metadata."""
+    """How an image becomes the network's input (as val_transform does it), for the file's metadata."""
     return {
         "input": "images",
         "shape": ["batch", 3, img_size, img_size],  # NCHW, float32, RGB
@@ -96,7 +86,7 @@ def preprocessing(img_size: int) -> dict:
 
 
 def describe_input(prep: dict, classes: list[str]) -> str:
-    """The doc_string of the ONNX file: its preprocessing in one paragraph, for a person reading the model."""
+    """The ONNX file's doc_string: its preprocessing in words, for a person reading the model."""
     size = prep["center_crop"]
     return (
         f"ResNet-34 image classifier, {len(classes)} classes ({', '.join(classes)}; metadata 'class_indices' maps "
@@ -109,13 +99,8 @@ def describe_input(prep: dict, classes: list[str]) -> str:
 
 
 def export_onnx(model, example: torch.Tensor, metadata: dict, doc: str) -> bytes:
-    """The network as ONNX bytes, with a dynamic batch dimension and `metadata` in its metadata_props.
-
-    torch.export-based (dynamo=True): the exporter torch has recommended and used by default since 2.9; the
-    TorchScript-based one (dynamo=False) works without onnxscript but warns that it will be removed. Both torch 2.11
-    and 2.14 return an ONNXProgram, whose proto gets the metadata before it is serialised in one file (weights
-    inline: a ResNet-34 is far below ONNX's 2 GB limit).
-    """
+    """The network as ONNX bytes, with a dynamic batch dimension and `metadata` in its metadata_props; by the
+    torch.export-based exporter (the default since torch 2.9: the older one warns that it will be removed)."""
     batch = torch.export.Dim("batch")
     program = torch.onnx.export(
         model,
@@ -142,7 +127,7 @@ def quiet_torchscript():
 
 
 def export_torchscript(model, example: torch.Tensor, metadata: dict) -> bytes:
-    """The traced network as TorchScript bytes, `metadata` as extra files (class_indices.json, preprocessing.json)."""
+    """The traced network as TorchScript bytes, `metadata` as extra files."""
     buffer = io.BytesIO()
     with quiet_torchscript(), torch.no_grad():
         # A trace is exact for ResNet (no data-dependent control flow); the check below replaces check_trace.
@@ -166,7 +151,7 @@ def onnx_runner(data: bytes):
 
 
 def torchscript_runner(data: bytes):
-    """A function from a batch to the file's logits, loaded as LibTorch or torch.jit.load loads it, on the CPU."""
+    """A function from a batch to the file's logits as torch.jit.load runs them (CPU), and the runtime's name."""
     with quiet_torchscript():
         loaded = torch.jit.load(io.BytesIO(data), map_location="cpu")
 
@@ -187,8 +172,8 @@ def check_images(data_path: Path) -> list[Path]:
 
 
 def check_batch(trained, args, img_size: int) -> tuple[torch.Tensor, str]:
-    """The check's input and where it came from: images of the data folder (--data-path, else the run's), prepared
-    as evaluate.py prepares them; a seeded random batch when there are none."""
+    """The check's input, prepared as evaluate.py prepares it (a seeded random batch without images), and its
+    source in words."""
     data_path = trained.setting("data_path", args.data_path)
     images = []
     if data_path is None:
@@ -206,7 +191,7 @@ def check_batch(trained, args, img_size: int) -> tuple[torch.Tensor, str]:
 
 
 def max_difference(run, model, batch: torch.Tensor) -> float:
-    """The largest absolute difference between the exported file's logits and PyTorch's, in float32 on the CPU."""
+    """The largest absolute difference between the exported file's logits and PyTorch's."""
     with torch.no_grad():
         expected = model(batch)
     got = run(batch)
@@ -242,7 +227,7 @@ def main(argv=None):
         data = export_torchscript(model, example, metadata)
         run, runtime = torchscript_runner(data)
 
-    if run is not None:  # the bytes about to be written, run as a deployer runs them
+    if run is not None:
         batch, source = check_batch(trained, args, img_size)
         difference = max_difference(run, model.cpu(), batch)
         print(

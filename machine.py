@@ -1,12 +1,6 @@
-"""What this machine computes natively, as torch will use it: the processor's name, cores and instruction set,
-and whether it has bfloat16 arithmetic; and the memory a run may use (the least of its cgroup's limit, SLURM's
-allocation and the machine's memory).
-
-Torch picks its CPU kernels at start-up from the instruction set it detects, and two environment variables cap
-that choice: ATEN_CPU_CAPABILITY for torch's own kernels (e.g. `avx2`), ONEDNN_MAX_CPU_ISA for oneDNN's
-convolutions and matrix products (e.g. `AVX2`). With both set to AVX2, an AVX-512/AMX machine computes as an
-AVX2-only one does (an AMD EPYC, most laptops): that is how this project checks one kind of machine on the other,
-and why every decision here reads the caps, not only what the processor could do.
+"""What this machine offers a run, as torch will use it: the processor's name, cores, instruction set and bfloat16
+arithmetic, and the memory a run may use. Environment variables cap torch's choice of CPU kernels (AVX2_CAPS): so
+an AVX-512/AMX machine checks how an AVX2-only one computes, and every decision here reads the caps.
 """
 
 import math
@@ -17,13 +11,11 @@ from pathlib import Path
 
 import torch
 
-# Environment that makes torch on an AVX-512/AMX CPU compute with the kernels an AVX2-only CPU uses: torch's own,
-# oneDNN's (convolutions), MKL's (the classifier's matrix products). Read when torch is imported, so it must be
-# in a process's environment before it starts.
+# Makes torch on an AVX-512/AMX CPU compute with an AVX2-only CPU's kernels: torch's own, oneDNN's (convolutions),
+# MKL's (matrix products). Read when torch is imported: set it in a process's environment before it starts.
 AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
-# oneDNN's instruction-set levels, lowest first (its ONEDNN_MAX_CPU_ISA values): bfloat16 arithmetic arrives
-# with AVX512_CORE_BF16, and every later level has it.
+# oneDNN's ONEDNN_MAX_CPU_ISA levels, lowest first: from AVX512_CORE_BF16 on, each has bfloat16 arithmetic
 ONEDNN_ISA_LEVELS = (
     "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
     "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX", "AVX10_1_512_AMX_FP16",
@@ -55,20 +47,16 @@ def cpu_bfloat16() -> tuple[bool, str]:
 
 
 def available_cores(root: Path = Path("/")) -> int:
-    """CPU cores this process may use: those its affinity allows (fewer than the machine has under taskset or
-    SLURM), and no more than its cgroup's CPU quota allows (a container's CPU limit in Docker, a Kubernetes CPU
-    limit: cpu_quota), rounded up: 1.5 CPUs of quota keep 2 threads busy three quarters of the time, more work
-    than 1 thread does. `root` is where /proc and /sys are found."""
+    """CPU cores this process may use: its affinity (taskset, SLURM), capped by its cgroup's CPU quota (Docker,
+    Kubernetes) rounded up, as 1.5 CPUs keep 2 threads busier than 1. `root` is where /proc and /sys are found."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     quota = cpu_quota(root)
     return max(1, min(cores, math.ceil(quota[0]))) if quota else cores
 
 
 def cpu_quota(root: Path = Path("/")) -> tuple[float, str] | None:
-    """(the CPUs' worth of time this process's cgroups allow it, the file that says so): the smallest quota set on
-    its cgroup or one above it, cgroup v2's cpu.max ("150000 100000": 1.5 CPUs; "max 100000": none) or v1's
-    cpu.cfs_quota_us over cpu.cfs_period_us (-1: none); None where none is set (Windows and macOS have no
-    cgroups)."""
+    """(CPUs' worth of time, the file that says so): the smallest quota on this process's cgroup or one above it,
+    from v2's cpu.max ("150000 100000": 1.5) or v1's cpu.cfs_quota_us / cpu.cfs_period_us; None where none is set."""
     quotas = []
     for version, mount, cgroup in cgroups(root, "cpu"):
         for folder in folders_above(mount, cgroup):
@@ -84,10 +72,9 @@ def cpu_quota(root: Path = Path("/")) -> tuple[float, str] | None:
 
 
 def cgroups(root: Path, controller: str) -> list[tuple[int, Path, str]]:
-    """(cgroup version, where its files are mounted, this process's cgroup path) for `controller` ("memory",
-    "cpu"), from /proc/self/cgroup under `root`; none where it cannot be read. A cgroup's path in /proc/self/cgroup
-    may not exist in a container's view of /sys/fs/cgroup, whose top is the container's own cgroup: the files that
-    do not exist are passed over by those who read them."""
+    """(cgroup version, where its files are mounted, this process's cgroup path) for `controller`, from
+    /proc/self/cgroup under `root`. In a container the path may not exist in /sys/fs/cgroup: readers pass over
+    the files that do not exist."""
     try:
         lines = (root / "proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -136,16 +123,13 @@ def physical_memory() -> int | None:
     return None
 
 
-# cgroup v1 writes "no limit" as the largest 64-bit number its page size divides (9223372036854771712): any limit
-# this large is none
+# cgroup v1 writes "no limit" as a number near 2**63: any limit this large is none
 NO_CGROUP_LIMIT = 2**62
 
 
 def memory_limit(root: Path = Path("/")) -> tuple[int | None, str]:
     """(the memory this process may use, in bytes; where that number comes from, a phrase for a message): the
-    smallest of its cgroup's limit (a container's, a SLURM job's, a systemd service's), SLURM's allocation on this
-    node and the machine's memory; (None, why) where none of them is known. `root` is where /proc and /sys are
-    found; Windows and macOS have neither, and no cgroups: there, the machine's memory."""
+    smallest of its cgroup's limit, SLURM's allocation on this node and the machine's memory."""
     limits = [*cgroup_memory_limits(root), *slurm_memory_limits(os.environ)]
     physical = physical_memory()
     limits += [(physical, "the machine's memory")] if physical else []
@@ -153,8 +137,7 @@ def memory_limit(root: Path = Path("/")) -> tuple[int | None, str]:
 
 
 def cgroup_memory_limits(root: Path) -> list[tuple[int, str]]:
-    """The memory limits set on this process's cgroups and on those above them (cgroup v2's memory.max, v1's
-    memory.limit_in_bytes), each with its file; "max" (v2) or a huge number (v1) is no limit."""
+    """The memory limits set on this process's cgroups and those above them, each with its file."""
     limits = []
     for version, mount, cgroup in cgroups(root, "memory"):
         for folder in folders_above(mount, cgroup):
@@ -166,9 +149,8 @@ def cgroup_memory_limits(root: Path) -> list[tuple[int, str]]:
 
 
 def slurm_memory_limits(env) -> list[tuple[int, str]]:
-    """SLURM's allocation of memory on this node, in bytes, with its variables: --mem (SLURM_MEM_PER_NODE, in MiB;
-    0 asks for the whole node's) or --mem-per-cpu (SLURM_MEM_PER_CPU) times the CPUs allocated on this node
-    (SLURM_CPUS_ON_NODE; without it, this task's SLURM_CPUS_PER_TASK); none outside SLURM."""
+    """SLURM's allocation of memory on this node, in bytes, with its variables: --mem, or --mem-per-cpu times the
+    CPUs on this node (0, the whole node's, is no limit); none outside SLURM."""
     per_node, per_cpu = whole_number(env, "SLURM_MEM_PER_NODE"), whole_number(env, "SLURM_MEM_PER_CPU")
     if per_node:
         return [(per_node * 2**20, "SLURM's --mem, SLURM_MEM_PER_NODE")]
@@ -186,8 +168,8 @@ def whole_number(env, name: str) -> int | None:
 
 
 def cpu_name() -> str:
-    """E.g. "AMD EPYC", "Apple M2": from /proc/cpuinfo on Linux, sysctl on macOS (where platform.processor()
-    says only "arm"), the platform's own answer elsewhere (Windows: family, model and vendor)."""
+    """E.g. "AMD EPYC", "Apple M2": from /proc/cpuinfo, sysctl on macOS (where platform.processor() says "arm"),
+    else the platform's own answer."""
     try:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
@@ -226,15 +208,9 @@ def cores_per_process(processes_here: int = 1) -> int:
 
 def core_budget(device: torch.device, processes_here: int = 1, batch_size: int = 1, workers: int | None = None):
     """(loader workers, compute threads) for one of `processes_here` processes sharing this machine's cores, by
-    rule: for predict.py and evaluate.py, and for the compute threads beside a --workers given to training (whose
-    workers left to auto are measured instead: autotune/choose.py).
-
-    On a GPU (CUDA, or a Mac's mps) the cores only prepare data: up to 8 workers (no more than a batch's images).
-    On the CPU the same cores also compute, and a loader process that takes a core away from a compute thread
-    stalls every parallel operation until that thread catches up: so a worker per 8 cores, and the compute threads
-    on the rest (on 2 cores: no worker, images loaded between steps). `workers` (--workers) changes the workers,
-    not the threads.
-    """
+    rule: for inference, and for training's threads beside a given --workers (autotune/choose.py measures the rest).
+    On a GPU the cores only load. On the CPU they also compute, and a loader that takes a compute thread's core
+    stalls every parallel operation: so a worker per 8 cores, the threads on the rest."""
     share = cores_per_process(processes_here)
     if device.type in ("cuda", "mps"):
         return (min(MAX_GPU_LOADERS, share, batch_size) if workers is None else workers), torch.get_num_threads()
@@ -243,9 +219,8 @@ def core_budget(device: torch.device, processes_here: int = 1, batch_size: int =
 
 
 def use_cores(device: torch.device, processes_here: int, batch_size: int, workers: int | None) -> int:
-    """Share this machine's cores as core_budget says, for one of `processes_here` processes: sets this process's
-    compute threads (on the CPU) and returns its number of loader workers."""
+    """Sets this process's compute threads as core_budget says (on the CPU) and returns its loader workers."""
     workers, threads = core_budget(device, processes_here, batch_size, workers)
-    if device.type == "cpu":  # this process's compute threads: its share of the cores, less its loader workers
+    if device.type == "cpu":
         torch.set_num_threads(threads)
     return workers

@@ -41,12 +41,12 @@ def initial_model(
     `memory_format`."""
     torch.manual_seed(seed)
     model = create_model(num_classes, name)
-    if weights is not None:
-        load_weights(model, weights, name=name)
     if freeze:
         freeze_all_but_head(model, name)
-    if grad_checkpointing:
+    if grad_checkpointing:  # (parameter names unchanged: the weights load as they would)
         enable_grad_checkpointing(model, name)
+    if weights is not None:
+        load_weights(model, weights, name=name)
     return model.to(device, memory_format=memory_format)
 
 

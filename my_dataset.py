@@ -57,8 +57,9 @@ def datasets(split: DataSplit, config, process=None) -> tuple[MyDataSet, MyDataS
     """The training set (augmented) and the validation set of a split, their images decoded once into memory where
     --image-cache-gb allows (in DDP once for the processes of this machine), and the line saying whether they were."""
     augment = train_transform(config.img_size, auto_augment=config.auto_augment, random_erase=config.random_erase)
+    resize = val_transform(config.img_size)
     train_set = MyDataSet(split.train_images, split.train_labels, augment)
-    val_set = MyDataSet(split.val_images, split.val_labels, val_transform(config.img_size))
+    val_set = MyDataSet(split.val_images, split.val_labels, resize)
     return train_set, val_set, decode_once([train_set, val_set], config.image_cache_gb, process)
 
 
@@ -66,13 +67,15 @@ def loaders(train_set, val_set, batches, val_sampler, config, choice, device: to
     """The training batches (`batches`: a SeededBatchSampler) and the validation batches (`val_sampler`'s images)
     as auto chose to make them (`choice`): on the device from the images held there, or by choice.workers loader
     processes, kept between epochs, each epoch's first batches loaded while the last epoch ends (EpochsAhead)."""
-    if choice.on_device:
-        return (TrainingBatches(train_set, batches, device, choice.memory_format),
-                ValidationBatches(val_set, val_sampler, config.batch_size, device))  # fmt: skip
-    loading = {"num_workers": choice.workers, "persistent_workers": choice.workers > 0 and config.persistent_workers,
-               "pin_memory": device.type == "cuda", "worker_init_fn": ignore_stop_signals}  # fmt: skip
-    return (EpochsAhead(DataLoader(train_set, batch_sampler=batches, **loading), config.epochs),
-            EpochsAhead(DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)))  # fmt: skip
+    if not choice.on_device:
+        persistent = choice.workers > 0 and config.persistent_workers
+        loading = {"num_workers": choice.workers, "persistent_workers": persistent, "pin_memory": device.type == "cuda",
+                   "worker_init_fn": ignore_stop_signals}  # fmt: skip
+        training = DataLoader(train_set, batch_sampler=batches, **loading)
+        validation = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
+        return EpochsAhead(training, config.epochs), EpochsAhead(validation)
+    return (TrainingBatches(train_set, batches, device, choice.memory_format),
+            ValidationBatches(val_set, val_sampler, config.batch_size, device))  # fmt: skip
 
 
 class EpochsAhead:

@@ -11,9 +11,6 @@ or for the loader rows loaded.
 
 Where the PNG goes unless --output says: training_curves.png in the run folder for one run, in the current folder
 for several; benchmark.png next to the benchmark.json. An existing file of that name is replaced.
-
-Figures are drawn with matplotlib's Figure class directly, not pyplot: no display, no global state, so the
-drawing functions can be called from other scripts (benchmark.py calls plot_benchmark) and from tests.
 """
 
 import argparse
@@ -22,26 +19,24 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from matplotlib.figure import Figure
+from matplotlib.figure import Figure  # not pyplot: no display, no global state, so other scripts can draw
 from matplotlib.ticker import MaxNLocator
 
 from read_back import read_json, read_json_lines
 from utils import Parser, UserError, entry_point, printable, write_atomically
 
-# A class named in a script the figures' font lacks (Chinese, Korean, ...) or holding a control character is drawn
-# as boxes; said once a character by matplotlib, every epoch, that would bury the run's own lines. (A filter set
-# once: catch_warnings around each drawing is not safe in the background thread that draws TensorBoard's.)
+# A class name in a script the font lacks is drawn as boxes, which matplotlib would say every epoch for each
+# character. A filter set once: catch_warnings is not thread-safe, and TensorBoard's figures are drawn in a thread.
 warnings.filterwarnings("ignore", r"Glyph \d+ .*missing from font", UserWarning)
 
 METRICS_NAME, BENCHMARK_NAME = "metrics.jsonl", "benchmark.json"
 CURVES_PNG, BENCHMARK_PNG = "training_curves.png", "benchmark.png"
-# What a panel shows: (metrics.jsonl key, panel title).
 PANELS = (("train_loss", "training loss"), ("val_acc", "validation accuracy"), ("lr", "learning rate"))
 REQUIRED_KEYS = ("epoch", *(key for key, _ in PANELS))
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The epochs of a metrics.jsonl, sorted by epoch; UserError naming the file and line for anything unusable."""
+    """The epochs of a metrics.jsonl, sorted by epoch."""
     epochs = read_json_lines(path, "metrics file", numbers=REQUIRED_KEYS)
     if not epochs:
         raise UserError(f"{path} holds no epochs (is the run still in its first epoch?)")
@@ -85,10 +80,7 @@ def run_label(folder: Path, epochs: list[dict]) -> str:
 
 
 def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
-    """Training loss, validation accuracy and learning rate against the epoch, one line per (label, epochs) run.
-
-    Writes the PNG to `path` when given; returns the Figure either way (its legend names the runs).
-    """
+    """The PANELS against the epoch, one line per (label, epochs) run; written to `path` when given."""
     fig = Figure(figsize=(12, 4.2), dpi=120, layout="constrained")
     axes = fig.subplots(1, len(PANELS))
     for label, epochs in runs:
@@ -109,15 +101,9 @@ def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
 
 
 def plot_benchmark(benchmark: dict, path=None) -> Figure:
-    """Images per second, one horizontal bar per row of a benchmark (the schema benchmark.py writes): the rows
-    that train at the benchmark's image size in the top panel; below, on an axis of their own, the loader rows
-    (images loaded, tens of times more), the demo's (trained at its own small size) and predict.py's (images
-    scored, not trained), which would otherwise dwarf them.
-
-    The title says where and how it was measured (machine, date, torch, image size, batch, precision). Rows keep
-    their order, top to bottom; a row whose img_per_sec is null is shown as "not measured". Writes the PNG to
-    `path` when given; returns the Figure either way.
-    """
+    """Images per second, a bar per row of a benchmark, titled with where and how it was measured; written to
+    `path` when given. The loader, demo and predict.py rows, not comparable with training at the benchmark's
+    size, get a panel of their own."""
     rows, settings = benchmark["rows"], benchmark.get("settings", {})
     colours = {kind: f"C{i}" for i, kind in enumerate(dict.fromkeys(row.get("kind") for row in rows))}
     apart = [row for row in rows if row.get("kind") in ("loader", "demo", "predict")]
@@ -163,13 +149,9 @@ def throughput_bars(ax, rows: list[dict], colours: dict, label: str) -> None:
 
 
 def plot_predictions(images, true_labels: list[int], predicted: list[int], classes: list[str]) -> Figure:
-    """A grid of images, each titled with its predicted class and, when wrong, its true one (green right, red
-    wrong): what run_log.py shows in TensorBoard each epoch. `images` are HxWx3 arrays of values in 0..1.
-
-    One axes showing one grid image with a label above each picture: drawn every epoch, it must be cheap (0.12 s
-    against 0.96 s for a 4x4 grid of subplots with constrained layout). The grid is laid out with numpy, not
-    torch: run_log.py draws it in its background writer, where a torch operation would start a team of OpenMP
-    threads that slows every training step after it on the CPU (docs/performance.md).
+    """A grid of HxWx3 images in 0..1, each titled with its predicted class and, when wrong, its true one: what
+    run_log.py shows in TensorBoard each epoch. One image on one axes, as subplots cost 8 times as much every
+    epoch; numpy, not torch, whose OpenMP threads in the background writer would slow training (docs/performance.md).
     """
     columns = min(4, len(images))
     height, width = images[0].shape[:2]
@@ -192,7 +174,7 @@ def plot_predictions(images, true_labels: list[int], predicted: list[int], class
 
 
 def save_png(fig: Figure, path) -> None:
-    """Write the figure as a PNG, atomically: a reader never sees half a picture."""
+    """Write the figure as a PNG, atomically."""
     try:
         write_atomically(path, lambda f: fig.savefig(f, format="png"), binary=True)
     except OSError as error:
@@ -200,7 +182,7 @@ def save_png(fig: Figure, path) -> None:
 
 
 def output_path(requested: Path | None, kind: str, sources: list[Path]) -> Path:
-    """Where the PNG goes: --output if given (a .png in an existing folder), else the default for `kind`."""
+    """Where the PNG goes: --output, checked, else the default for `kind`."""
     if requested is None:
         if kind == "benchmark":
             return sources[0].parent / BENCHMARK_PNG

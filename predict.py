@@ -5,9 +5,8 @@ python predict.py photos/ --weights best.pth --results predictions.csv          
 torchrun --nproc_per_node=2 predict.py photos/ --weights best.pth --results predictions.csv     # DDP, torchrun
 python predict.py photos/ --weights best.pth --results predictions.jsonl --world-size 2        # DDP, spawn
 
-Under torchrun, or with --world-size (torch.multiprocessing.spawn), each process scores its share of the images
-and rank 0 gathers them in their order: the same lines, or rows, as one process gives, each image once. An image
-that cannot be read is reported in its line (or row), and the others are scored.
+Under DDP each process scores its share of the images and rank 0 gathers them in their order: the same lines, or
+rows, as one process gives. An image that cannot be read is reported in its line (or row).
 """
 
 import sys
@@ -41,16 +40,13 @@ def images_in(folder: Path) -> list[Path]:
 
 
 def find_images(paths: list[Path]) -> list[Path]:
-    """The files named, and the images in the folders named and their sub-folders. Whether each can be read is
-    found as it is scored: an unreadable one is reported in its line."""
+    """The files named, and the images in the folders named and their sub-folders; UserError for a name that
+    holds none."""
     images = []
     for path in paths:
         if not path.exists():
             raise UserError(f"{path} does not exist")
-        if path.is_file():
-            images.append(path)
-            continue
-        found = images_in(path)
+        found = [path] if path.is_file() else images_in(path)
         if not found:
             raise UserError(f"folder {path} holds no images ({' '.join(IMAGE_EXTENSIONS)}, in it or its sub-folders)")
         images += found

@@ -1,6 +1,5 @@
 """Reading back what a run or a user saved: every file checked, a damaged or foreign one refused in one line that
-names it and what is wrong (a pickle that would run code, a changed byte, JSON of another shape), never a traceback
-(docs/resuming-and-failures.md, "every file read back is checked")."""
+names it and what is wrong, never a traceback (docs/resuming-and-failures.md)."""
 
 import contextlib
 import json
@@ -12,15 +11,10 @@ from utils import UserError
 
 
 def safe_load(path, what: str, if_damaged: str = "copy it again from where it came from, or use another copy"):
-    """torch.load(weights_only=True) of a file the user named, with any failure as a UserError; `if_damaged`
-    says what to do with a file whose bytes changed since it was saved.
-
-    weights_only=True unpickles tensors and plain containers only: a file whose pickle would run code is refused
-    before any of it runs. A file of torch.save's format, a zip archive, is first checked against the CRC-32 it
-    keeps of each record (torch.load checks none): a byte changed in a tensor is refused, not loaded as another
-    number. A file that is no PyTorch file (a text file, an image) is named as such.
-    """
-    import torch  # here, so that the data helpers above do not need torch
+    """torch.load(weights_only=True: a pickle that would run code is refused) of a file the user named, any failure
+    a UserError. A zip archive is first checked against its CRC-32s (torch.load checks none), so a changed byte is
+    refused, not loaded as another number; `if_damaged` says what to do then."""
+    import torch  # here, so that the JSON readers do not need torch
 
     path = Path(path)
     if not path.is_file():
@@ -57,12 +51,9 @@ MS_DOS_FOLDER = 0x10  # a zip record's external attribute: the record is a folde
 
 
 def damaged_record(path: Path) -> str | None:
-    """Which record of the zip archive `path` fails the CRC-32 the archive keeps of it, and how; None when every
-    record passes, or when the archive's directory cannot be read (a file cut short: torch.load then says so).
-
-    A record with a CRC of 0 is not checked: torch.save writes 0 for every record when it is told to compute none
-    (torch.serialization.set_crc32_options(False)). Reads the whole file once more: 0.05 s for a ResNet-34
-    checkpoint of 170 MB on a 2-core Zen 4 EPYC (docs/resuming-and-failures.md)."""
+    """Which record of the zip archive `path` fails its CRC-32, and how; None when every record passes, or when the
+    archive's directory cannot be read (a file cut short: torch.load then says so). Reading the file once more
+    costs 0.05 s for a 170 MB checkpoint (docs/resuming-and-failures.md)."""
     try:
         archive = zipfile.ZipFile(path)
     except OSError:
@@ -73,7 +64,7 @@ def damaged_record(path: Path) -> str | None:
         for record in archive.infolist():
             if record.external_attr & MS_DOS_FOLDER:  # torch writes none; torch.load leaves its tensor unfilled
                 return f"its record {record.filename!r} is marked as a folder"
-            if record.CRC == 0:
+            if record.CRC == 0:  # torch.serialization.set_crc32_options(False) writes 0 for every record
                 continue
             try:
                 with archive.open(record) as data:
@@ -111,8 +102,7 @@ def other_kind(start: bytes) -> str | None:
 
 
 def read_text(path, what: str) -> str:
-    """A text file the project wrote, read back; UserError naming it (`what` it is, and where) if it cannot be read
-    or is not text."""
+    """A text file the project wrote, read back; UserError naming it if it cannot be read or is not text."""
     try:
         return Path(path).read_text(encoding="utf-8")
     except OSError as error:
@@ -122,8 +112,7 @@ def read_text(path, what: str) -> str:
 
 
 def read_json(path, what: str, expected: type = dict):
-    """The JSON a file holds, read back: a JSON object (or an `expected` of another type); UserError naming the file
-    if it cannot be read, is not JSON (truncated, say) or holds another kind of value."""
+    """The JSON a file holds, of the `expected` type; UserError naming the file otherwise."""
     try:
         data = json.loads(read_text(path, what))
     except ValueError as error:
@@ -134,8 +123,8 @@ def read_json(path, what: str, expected: type = dict):
 
 
 def read_json_lines(path, what: str, numbers: tuple = ()) -> list[dict]:
-    """The records of a JSON Lines file (one JSON object a line; blank lines are skipped), each with a number for
-    each key in `numbers`; UserError naming the file and the line for anything else."""
+    """The records of a JSON Lines file, each with a number for each key in `numbers`; UserError naming the file
+    and the line for anything else."""
     records = []
     for number, line in enumerate(read_text(path, what).splitlines(), start=1):
         if not line.strip():
@@ -155,7 +144,7 @@ def read_json_lines(path, what: str, numbers: tuple = ()) -> list[dict]:
 
 @contextlib.contextmanager
 def advice(what_to_do: str):
-    """A UserError raised inside (a file read back is damaged, say) ends with what to do about it: "...: what_to_do"."""
+    """A UserError raised inside ends with what to do about it: "...: what_to_do"."""
     try:
         yield
     except UserError as error:
@@ -167,8 +156,8 @@ NUMBER = (int, float)  # a shape for misfits: either (JSON's numbers; true and f
 
 def misfits(value, shape, name: str = "") -> list[str]:
     """Where `value`, data read back from a file, differs from `shape`, in words; [] if it fits. A shape is a type
-    (bool is not taken for a number), a tuple of shapes (any one of them), a one-item list [shape] (a list of such
-    items) or a dict of shapes by key (a mapping holding each key; one whose shape admits None may be absent)."""
+    (bool is no number), a tuple of shapes (any one), [shape] (a list of such) or a dict of shapes by key (a key
+    whose shape admits None may be absent)."""
     if isinstance(shape, tuple):
         found = [misfits(value, option, name) for option in shape]
         if not all(found):

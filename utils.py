@@ -1,6 +1,5 @@
 """Small helpers every script uses: the user-error type and entry point, argparse types that report in one line,
-the safe torch.load, files read back checked (JSON of the shape expected, else a UserError naming the file), and
-atomic file writes."""
+atomic file writes and the checks of an output path."""
 
 import argparse
 import atexit
@@ -18,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 # The signals that ask a run to stop: SIGTERM (SLURM, Kubernetes, torchrun before they kill) and SIGUSR1 (SLURM's
-# --signal, ahead of the time limit; Windows has none)
+# --signal, ahead of the time limit)
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
@@ -26,30 +25,23 @@ class UserError(Exception):
     """A problem with the user's input: shown as one line on stderr, exit status 2, never a traceback."""
 
 
-# A file's name as the filesystem gives it (on Linux and macOS any bytes but "/" and NUL: a zip file from Windows or
-# an old Mac, a NAS copy) is a str in which each byte that is not UTF-8 is a lone surrogate (os.fsdecode); written
-# with this error handler those are the same bytes again. The project's output, and the text files it writes that
-# hold names (predict.py's results), are written so; the JSON files escape them (\udcff) and read them back alike.
+# A file name's bytes that are not UTF-8 are lone surrogates in its str (os.fsdecode); written with this error
+# handler they are the same bytes again. The output and the text files that hold names are written so.
 NAMES = "surrogateescape"
 
 
 def printable(name: str) -> str:
-    """`name` for what takes text alone (a figure's label, a tracker's tag): each byte of it that is not UTF-8 shown
-    as U+FFFD."""
+    """`name` for what takes text alone (a figure's label, a tracker's tag): bytes not UTF-8 shown as U+FFFD."""
     return name.encode("utf-8", NAMES).decode("utf-8", "replace")
 
 
 def entry_point(function):
     """Decorate a script's main (or a spawned worker): a UserError becomes one line on stderr and exit status 2,
-    Ctrl-C a short note and status 130. Bugs stay tracebacks. Its output carries file names as they are (NAMES).
-    At exit the process's objects are frozen (gc.freeze): Python's last collections then leave the 350,000 that
-    importing torch and torchvision made to the operating system, which frees the memory at once, instead of
-    walking and freeing them one by one: 1.2 s of CPU off the end of every script and DDP process on a 2-core
-    Zen 3 (13 % of a one-epoch run of the tests' size). Nothing is lost: the scripts close their files and join
-    their threads themselves, and Python never promised to finalize what is left at exit."""
+    Ctrl-C a short note and status 130. Bugs stay tracebacks. Its output carries file names as they are (NAMES)."""
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
+        # At exit, frozen objects are left to the OS instead of freed one by one: 1.2 s of CPU off every process
         atexit.unregister(gc.freeze)  # (once, where a test calls main many times in its process)
         atexit.register(gc.freeze)
         for stream in (sys.stdout, sys.stderr):
@@ -73,8 +65,7 @@ def warn(message: str) -> None:
 
 
 def in_brief(text: str, width: int = 240) -> str:
-    """`text` on one line of at most `width` characters: its start and its end (where a library's message often
-    names the cause: "... [Errno 111] Connection refused")."""
+    """`text` on one line of at most `width` characters: its start and its end (where the cause often is)."""
     text = " ".join(text.split())
     half = (width - len(" [...] ")) // 2
     return text if len(text) <= width else f"{text[:half]} [...] {text[-half:]}"
@@ -126,23 +117,16 @@ class OutputError(UserError):
 
 def write_atomically(path, write, binary: bool = False, size: int | None = None) -> None:
     """Create or replace `path` with what write(file) writes, so that readers and crashes see either the old
-    file or the whole new one: a temporary file in the same folder, fsync, rename, fsync of the folder
-    (not on Windows, which has none).
-
-    If the filesystem refuses (OSError, whatever layer re-raises it: torch.save turns it into a RuntimeError),
-    raises OutputError naming the file, the reason and, when space ran out, the space free and needed (`size`
-    bytes, if the caller knows it); the temporary file is removed and `path` is untouched.
-    """
+    file or the whole new one. A refusal of the filesystem (even re-raised as another type, as torch.save does)
+    is an OutputError naming the file, and the space free and needed (`size`) when it ran out."""
     with atomic_file(path, binary, size) as f:
         write(f)
 
 
 @contextlib.contextmanager
 def atomic_file(path, binary: bool = False, size: int | None = None):
-    """write_atomically for a file written bit by bit: yields the temporary file, open (text in UTF-8, or
-    `binary`), to write as the block goes on; it replaces `path` when the block ends. If the block ends by an
-    exception (a failure, Ctrl-C, a SystemExit), the temporary file is removed and `path` is untouched. So
-    predict.py streams its results into a file that appears whole, or not at all."""
+    """write_atomically for a file written bit by bit: yields the temporary file, which replaces `path` when the
+    block ends, and is removed, `path` untouched, if it ends by an exception."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -152,7 +136,7 @@ def atomic_file(path, binary: bool = False, size: int | None = None):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        if os.name != "nt":  # Windows cannot open a folder with os.open, so it has no folder fsync to call
+        if os.name != "nt":  # Windows cannot open a folder to fsync it
             folder = os.open(path.parent, os.O_RDONLY)
             try:
                 os.fsync(folder)  # make the rename itself durable
@@ -190,9 +174,7 @@ def write_json(path, data) -> None:
     write_atomically(path, lambda f: f.write(json.dumps(data, indent=2) + "\n"))
 
 
-# What makes a folder a run's: the files a training run writes (run/run_log.py, multi_train_utils/checkpoint.py,
-# run/tracking.py), as patterns of their paths in its folder, its caches and lock aside. No other command may
-# replace them.
+# The files a training run writes in its folder, caches and lock aside: no other command may replace them
 RUN_FILES = ("args.json", "class_indices.json", "metrics.jsonl", "checkpoint.pth", "weights/*.pth", "tb/*",
              "tracked_run.json")  # fmt: skip
 
@@ -204,8 +186,7 @@ def run_files_in(folder: Path) -> list[str]:
 
 def check_new_file(path: Path, flag: str, force: bool) -> None:
     """UserError, before anything is computed, unless `path` (given as `flag`) may be written: not a folder, not
-    an existing file (unless `force`: nothing is replaced unasked), never a file of a run (RUN_FILES, in a folder
-    that holds a run's args.json: a run's folder belongs to its run), in a folder that can be made or written to."""
+    an existing file unless `force`, never one of a run's RUN_FILES, in a folder that can be written to."""
     if path.is_dir():
         raise UserError(f"{flag} {path} is a folder: name a file")
     run = next((folder for folder in path.parents[:2] if (folder / "args.json").is_file()), None)

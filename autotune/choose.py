@@ -1,6 +1,6 @@
 """What `auto` chooses: the run's whole choice of how to train (multi_train_utils.train_eval_utils.Choice), taken
 once, here, and read by everything else: the precision, the memory layout, the micro-batch, where the batches are
-made, the loader workers and the compute threads.
+made, the loader workers and the compute threads, with the lines the run prints about it.
 
 A flag given is never measured. The rest is measured on this machine before training (autotune/timing.py), for the
 run's model, image size and batch size, and remembered for later runs (autotune/remembered.py):
@@ -21,20 +21,14 @@ from dataclasses import replace
 
 import torch
 
-from autotune.remembered import cache_file, cache_key, remember, remembered
-from autotune.timing import (
-    device_seconds_per_image,
-    fitting_micro_batch,
-    time_candidates,
-    time_loading,
-)
+from autotune.remembered import remember, remembered
+from autotune.timing import Measured, measure
 from dataset.in_memory import memory_budget
 from dataset.on_device import crop_and_flip, held_size
-from machine import core_budget, cores_per_process, cpu_bfloat16
-from multi_train_utils.distributed_utils import alone, broadcast_object, get_world_size, is_main_process, print_once
-from multi_train_utils.memory import OutOfMemory, memory_limited
+from machine import CORES_PER_CPU_LOADER, cores_per_process, cpu_bfloat16
+from multi_train_utils.distributed_utils import alone, broadcast_object, get_world_size, is_main_process
+from multi_train_utils.memory import memory_limited
 from multi_train_utils.train_eval_utils import Choice
-from run.plan import note_inexact_resume
 from utils import UserError
 
 GPU_LOADER_MARGIN = 1.5  # workers enough to load this much faster than the GPU trains (JPEGs vary in size)
@@ -44,122 +38,91 @@ PRECISION_NAMES = {"off": "float32", "bf16": "bfloat16 autocast", "fp16": "float
 
 def choose(config, plan, device: torch.device, processes_here: int, train_set) -> Choice:
     """The run's whole choice (`processes_here` training processes sharing this machine): what the flags give, the
-    rest measured by rank 0 or remembered, the same on every rank. Sets this process's compute threads (on the CPU:
-    its share of the cores less its loader workers) and prints the choice."""
-    possible, room = device_batches_possible(config, train_set, device, processes_here)
-    if config.batches == "device" and not possible:
-        raise UserError(f"--batches device: {room.removeprefix('Batches: made by the loader: ')}")
-    lines = []
-    if nothing_to_measure(config, device):
-        choice = Choice(config.amp, config.channels_last, given_micro_batch(config),
-                        "device" if possible and config.batches == "device" else "loader", config.workers)  # fmt: skip
-    else:
-        if device.type == "cpu":  # measured on the threads it trains with: all of its share, unless --workers
-            torch.set_num_threads(core_budget(device, processes_here, config.batch_size, config.workers)[1]
-                                  if config.workers is not None else cores_per_process(processes_here))  # fmt: skip
-        if is_main_process():
-            decided = cached_or_measured(config, plan, device, processes_here, train_set, possible)
-        choice, lines = broadcast_object(decided if is_main_process() else None)  # DDP: every rank as rank 0 chose
-    choice = with_threads(choice, config, device, processes_here)
-    if choice.threads is not None:
-        torch.set_num_threads(choice.threads)
-    for line in (*lines, precision_line(choice, config, device), batches_line(choice.on_device, room, config)):
-        print_once(line)
-    note_inexact_resume(config, plan.saved, get_world_size(), choice.micro_batch)
-    return choice
-
-
-def nothing_to_measure(config, device: torch.device) -> bool:
-    """Whether the flags say everything auto would measure."""
+    rest measured by rank 0 or remembered, the same on every rank, with the lines saying so. Sets this process's
+    compute threads (on the CPU: its share of the cores less its loader workers)."""
     given = config.amp != "auto" and config.channels_last is not None and config.workers is not None
-    return given and (config.micro_batch is not None or not memory_limited(device))
+    given = given and (config.micro_batch is not None or not memory_limited(device))
+    candidates = compute_candidates(config.amp, config.channels_last, device)
+    share = cores_per_process(processes_here)
+    held, room = device_batches_room(config, train_set, device, processes_here)  # held: None if they cannot be
+    if config.batches == "device" and held is None:
+        raise UserError(f"--batches device: {room.removeprefix('Batches: made by the loader: ')}")
+    if given:
+        where = "device" if held is not None and config.batches == "device" else "loader"
+        choice = Choice(config.amp, config.channels_last, small_micro_batch(config), where, config.workers)
+    else:
+        if device.type == "cpu":  # measured on the threads it trains with: its whole share, less --workers' reserve
+            torch.set_num_threads(share - share // CORES_PER_CPU_LOADER if config.workers is not None else share)
+        mine = is_main_process() and remembered_or_measured(
+            config, plan, device, processes_here, train_set, held, candidates
+        )
+        choice = broadcast_object(mine)  # DDP: every rank trains as rank 0 chose
+    workers = 0 if choice.on_device else choice.workers if config.workers is None else config.workers
+    threads = None
+    if device.type == "cpu":  # --workers changes the workers, not the threads (machine.core_budget's rule)
+        given_workers = config.workers is not None and not choice.on_device
+        threads = share - share // CORES_PER_CPU_LOADER if given_workers else max(1, share - workers)
+        torch.set_num_threads(threads)
+    lines = (*choice.lines, precision_line(choice, config, device), batches_line(choice.on_device, room, config))
+    return replace(choice, workers=workers, threads=threads, lines=lines)
 
 
-def given_micro_batch(config) -> int | None:
+def small_micro_batch(config) -> int | None:
     """--micro-batch as given (None: the whole batch, where it is not smaller)."""
     return config.micro_batch if config.micro_batch is not None and config.micro_batch < config.batch_size else None
 
 
-def with_threads(choice: Choice, config, device: torch.device, processes_here: int) -> Choice:
-    """`choice` with its loader workers as trained (none where the batches are made on the device; --workers where
-    given) and, on the CPU, its compute threads: this process's share of the cores less its workers (less one per 8
-    cores where --workers is given: machine.core_budget)."""
-    workers = 0 if choice.on_device else choice.workers if config.workers is None else config.workers
-    if device.type != "cpu":
-        return replace(choice, workers=workers)
-    share = cores_per_process(processes_here)
-    if config.workers is not None and not choice.on_device:
-        threads = core_budget(device, processes_here, config.batch_size, workers)[1]
-    else:
-        threads = max(1, share - workers)
-    return replace(choice, workers=workers, threads=threads)
-
-
-def cached_or_measured(config, plan, device: torch.device, processes_here: int, train_set, possible: bool):
-    """(the choice remembered for this machine and configuration, else, or with --remeasure, a new one measured and
-    remembered; the lines saying so). `possible`: whether the batches can be made on the device."""
-    path, key = cache_file(), cache_key(config, plan, device, processes_here)
-    found = None if config.remeasure else remembered(path, key)
+def remembered_or_measured(config, plan, device, processes_here: int, train_set, held: int | None, candidates: list):
+    """The choice remembered for this machine and configuration, else (or with --remeasure) the fastest of
+    `candidates`, measured and remembered, each with the lines saying so. `held`: the bytes the training images take
+    held on the device (None where they cannot be)."""
+    path, key, found = remembered(config, plan, device, processes_here)
     if found is not None:
-        return found[0], [found[1]]
-    with alone():  # the other ranks wait in broadcast_object: rank 0's steps sum nothing with them
-        choice, lines, facts = measure(config, plan, device, processes_here, train_set, possible)
-    if facts is None:
-        return choice, lines  # nothing was left to measure here
-    return choice, [*lines, remember(path, key, choice, facts)]
-
-
-def measure(config, plan, device: torch.device, processes_here: int, train_set, possible: bool):
-    """(the choice, the lines saying what was measured, the facts a remembered choice keeps; None where nothing
-    was timed): the candidates the flags leave open timed, then loading, then batches made on the device."""
-    start, lines = time.perf_counter(), []
-    candidates = compute_candidates(config.amp, config.channels_last, device)
+        return found
     share = torch.get_num_threads() if device.type == "cpu" else cores_per_process(processes_here)
-    workers_to_choose = config.workers is None and (device.type != "cpu" or share > 1)
-    to_fit = config.micro_batch is None and memory_limited(device)
-    where_to_choose = possible and config.batches == "auto" and not config.workers  # --workers N: the loader
-    where = "device" if possible and config.batches == "device" else "loader"
-    if len(candidates) == 1 and not workers_to_choose and not to_fit and not where_to_choose:
-        return replace(candidates[0], micro_batch=given_micro_batch(config), batches=where), [], None
-    held = held_size(train_set, config.img_size)[0] if possible else 0  # beside the training, if chosen
-    micro_batch, lines = fitting_micro_batch(config, plan, device, candidates[0], held) if to_fit else (None, [])
-    micro_batch = micro_batch or given_micro_batch(config)
-    candidates = [replace(candidate, micro_batch=micro_batch) for candidate in candidates]
-    speeds = timed_speeds(candidates, config, plan, device)
+    todo = {
+        "workers": config.workers is None and (device.type != "cpu" or share > 1),
+        "micro_batch": config.micro_batch is None and memory_limited(device),
+        "where": held is not None and config.batches == "auto" and not config.workers,  # --workers N: the loader
+        "given_micro_batch": small_micro_batch(config),
+        "held": held or 0,
+        "world_size": get_world_size(),
+    }
+    where = "device" if held is not None and config.batches == "device" else "loader"
+    if len(candidates) == 1 and not (todo["workers"] or todo["micro_batch"] or todo["where"]):  # nothing to measure
+        return replace(candidates[0], micro_batch=todo["given_micro_batch"], batches=where, workers=config.workers or 0)
+    start = time.perf_counter()
+    with alone():  # the other ranks wait in broadcast_object: rank 0's steps sum nothing with them
+        measured = measure(config, plan, device, train_set, candidates, todo)
+    choice, lines = decided(measured, config, plan, device, share, todo, where)
+    seconds = round(time.perf_counter() - start, 2)
+    chose = f"chose {choice.name()}, the fastest" if len(measured.speeds) > 1 else f"{choice.name()} as given"
+    facts = {"measured": {candidate.name(): round(speed, 2) for candidate, speed in measured.speeds.items()},
+             "load_ms": None if measured.load is None else round(measured.load * 1000, 3), "seconds": seconds,
+             "date": datetime.date.today().isoformat()}  # fmt: skip
+    line = f"Auto: {chose}; measuring took {seconds:.1f} s"
+    return replace(choice, lines=(*lines, line, remember(path, key, choice, facts)))
+
+
+def decided(measured: Measured, config, plan, device: torch.device, share: int, todo: dict, where: str):
+    """(the choice the measured figures make, the lines saying what was measured and why it was chosen)."""
+    speeds = measured.speeds
     fastest = max(speeds, key=speeds.get)
-    lines.append(measured_line(speeds, config, device))
-    workers, load = config.workers or 0, None
-    if workers_to_choose or where_to_choose:
-        load = time_loading(train_set, config, device)
-    if workers_to_choose:
-        workers, why = choose_workers(device, share, 1 / speeds[fastest], load)
+    step = 1 / speeds[fastest]
+    threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
+    figures = ", ".join(f"{candidate.name()} {speed:.1f}" for candidate, speed in speeds.items())
+    lines = [*measured.lines, f"Auto: timed training steps of {config.model} at {config.img_size} px, batch "
+             f"{config.batch_size}, on {device.type} ({threads}), in img/s: {figures}"]  # fmt: skip
+    workers = config.workers or 0
+    if todo["workers"]:
+        workers, why = choose_workers(device, share, step, measured.load)
         lines.append(f"Auto: {why}")
-    if where_to_choose:
-        making = device_seconds_per_image(train_set, config.batch_size, device, fastest.memory_format)
-        steps = max(1, len(plan.split.train_images) // (config.batch_size * get_world_size()))
-        on_device, why = choose_batches(device, 1 / speeds[fastest], making, load, workers, share, steps)
+    if todo["where"]:
+        steps = max(1, len(plan.split.train_images) // (config.batch_size * todo["world_size"]))
+        on_device, why = choose_batches(device, step, measured.making, measured.load, workers, share, steps)
         where = "device" if on_device else "loader"
         lines.append(f"Auto: {why}")
-    elapsed = round(time.perf_counter() - start, 2)
-    chose = f"chose {fastest.name()}, the fastest" if len(candidates) > 1 else f"{fastest.name()} as given"
-    lines.append(f"Auto: {chose}; measuring took {elapsed:.1f} s")
-    facts = {"measured": {candidate.name(): round(speed, 2) for candidate, speed in speeds.items()},
-             "load_ms": None if load is None else round(load * 1000, 3), "seconds": elapsed,
-             "date": datetime.date.today().isoformat()}  # fmt: skip
-    return replace(fastest, workers=workers, batches=where), lines, facts
-
-
-def timed_speeds(candidates: list[Choice], config, plan, device: torch.device) -> dict:
-    """Each candidate's images per second, timed; OutOfMemory in one line for a --micro-batch given by hand that
-    does not fit (auto's was found to fit)."""
-    try:
-        seconds = time_candidates(candidates, config, plan, device)
-    except torch.OutOfMemoryError:
-        raise OutOfMemory(
-            f"--micro-batch {config.micro_batch} does not fit in the memory of {config.model} at {config.img_size} "
-            f"px on {device}: give a smaller one, or leave it to auto"
-        ) from None
-    return {candidate: 1 / seconds[candidate] for candidate in candidates}
+    return replace(fastest, workers=workers, batches=where), lines
 
 
 def choose_workers(device: torch.device, share: int, step: float, load: float) -> tuple[int, str]:
@@ -199,21 +162,22 @@ def choose_batches(device, step: float, on_device: float, load: float, workers: 
     )
 
 
-def device_batches_possible(config, train_set, device: torch.device, processes_here: int) -> tuple[bool, str]:
-    """Whether the training batches can be made on `device`, and the line saying why not, or the room the images
-    take there: a plain crop and flip (no --auto-augment, --random-erase), the images decoded once into memory, and
-    room for them, within DEVICE_SHARE of a GPU's free memory or beside the decoded images on the CPU."""
+def device_batches_room(config, train_set, device: torch.device, processes_here: int) -> tuple[int | None, str]:
+    """(the bytes the training images take held on `device`, None where the batches cannot be made there; the line
+    saying why not, or the room they take there). They can be with a plain crop and flip (no --auto-augment,
+    --random-erase), the images decoded once into memory, and room for them: within DEVICE_SHARE of a GPU's free
+    memory, or beside the decoded images on the CPU."""
     if config.batches == "loader":
-        return False, "Batches: made by the loader (--batches loader)"
+        return None, "Batches: made by the loader (--batches loader)"
     if device.type not in ("cuda", "cpu"):
-        return False, f"Batches: made by the loader: on {device.type}, making them on the device is not measured here"
+        return None, f"Batches: made by the loader: on {device.type}, making them on the device is not measured here"
     try:
         crop_and_flip(train_set.transform)
     except ValueError:
         switch = "--auto-augment" if config.auto_augment != "none" else "--random-erase"
-        return False, f"Batches: made by the loader: {switch} has no batched form on the device"
+        return None, f"Batches: made by the loader: {switch} has no batched form on the device"
     if train_set.decoded is None:
-        return False, "Batches: made by the loader: the images were not decoded into memory (see the Images line)"
+        return None, "Batches: made by the loader: the images were not decoded into memory (see the Images line)"
     needed, height, width = held_size(train_set, config.img_size)
     if device.type == "cuda":
         room = DEVICE_SHARE * torch.cuda.mem_get_info(device)[0]
@@ -224,8 +188,8 @@ def device_batches_possible(config, train_set, device: torch.device, processes_h
         where = f"what the decoded images leave of {why}"
     sizes = f"{len(train_set)} images padded to {height} x {width} px: {needed / 1e9:.2f} GB"
     if needed > room:
-        return False, f"Batches: made by the loader: held on {device.type}, {sizes}, more than {where}"
-    return True, f"{sizes}, within {where}"
+        return None, f"Batches: made by the loader: held on {device.type}, {sizes}, more than {where}"
+    return needed, f"{sizes}, within {where}"
 
 
 def amp_candidates(amp: str, device: torch.device) -> tuple[list[str], str]:
@@ -250,15 +214,6 @@ def compute_candidates(amp: str, channels_last: bool | None, device: torch.devic
     which (NCHW first: the original's float32 NCHW leads)."""
     layouts = [False, True] if channels_last is None else [channels_last]
     return [Choice(precision, layout) for layout in layouts for precision in amp_candidates(amp, device)[0]]
-
-
-def measured_line(speeds: dict, config, device: torch.device) -> str:
-    where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
-    figures = ", ".join(f"{candidate.name()} {speed:.1f}" for candidate, speed in speeds.items())
-    return (
-        f"Auto: timed training steps of {config.model} at {config.img_size} px, batch {config.batch_size}, on "
-        f"{device.type} ({where}), in img/s: {figures}"
-    )
 
 
 def precision_line(choice: Choice, config, device: torch.device) -> str:

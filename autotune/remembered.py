@@ -3,7 +3,7 @@ autotune.json in the user's cache folder (FLOWERS_AUTOTUNE_CACHE names another),
 the machine as torch computes on it, torch, and the configuration. Delete it at will, or pass --remeasure."""
 
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -55,26 +55,27 @@ def cache_key(config, plan, device: torch.device, processes_here: int) -> dict:
     return machine | run
 
 
-def remembered(path: Path, key: dict) -> tuple[Choice, str] | None:
-    """The choice the file holds for `key`, with the line saying so; None if none. A damaged file (cut short, edited
-    by hand, of another version) holds none: one warning says so, and remember() replaces it."""
+def remembered(config, plan, device: torch.device, processes_here: int):
+    """(the cache file, the key of this machine and configuration, the choice remembered for it with its line, or
+    None: none remembered, or --remeasure). A damaged file (cut short, edited by hand, of another version) holds
+    none: one warning says so, and remember() replaces it."""
+    path, key = cache_file(), cache_key(config, plan, device, processes_here)
     try:
-        entries = read_entries(path)
+        entries = [] if config.remeasure else read_entries(path)
     except UserError as damage:
         warn(f"{damage}: measuring again, and replacing it")
-        return None
+        entries = []
     found = next((entry["choice"] for entry in entries if entry["key"] == key), None)
     if found is None:
-        return None
-    fields = ("amp", "channels_last", "micro_batch", "batches", "workers")
-    choice = Choice(**{name: found[name] for name in fields})
+        return path, key, None
+    choice = Choice(**{name: found[name] for name in ("amp", "channels_last", "micro_batch", "batches", "workers")})
     line = (
         f"Auto: {choice.name()}, "
         + ("batches made on the device" if choice.on_device else f"{choice.workers} loader workers")
         + (f", micro-batches of {choice.micro_batch}" if choice.micro_batch else "")
         + f", as measured on {found['date']} for this machine and configuration ({path}; --remeasure measures again)"
     )
-    return choice, line
+    return path, key, replace(choice, lines=(line,))
 
 
 def read_entries(path: Path) -> list[dict]:
@@ -100,7 +101,7 @@ def remember(path: Path, key: dict, choice: Choice, facts: dict) -> str:
     """Add (or replace) the choice for `key`, with the `facts` it was decided from (measured, load_ms, seconds,
     date): under a lock, so that runs starting together all keep theirs, written whole or not at all; a damaged file
     is replaced. Returns the line saying where it is kept, or that it could not be (the run trains all the same)."""
-    stored = {name: value for name, value in asdict(choice).items() if name != "threads"}
+    stored = {name: value for name, value in asdict(choice).items() if name not in ("threads", "lines")}
     entry = {"key": key, "choice": stored | facts | {"lines": []}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,14 +5,15 @@ import contextlib
 import math
 import os
 import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from dataset.on_device import TrainingBatches, crop_and_flip, hold
 from dataset.sampling import sample_seeds
-from multi_train_utils.distributed_utils import get_world_size, shuffled_batches
-from multi_train_utils.memory import largest_that_fits, pass_fits
+from multi_train_utils.distributed_utils import shuffled_batches
+from multi_train_utils.memory import OutOfMemory, largest_that_fits, pass_fits
 from multi_train_utils.train_eval_utils import Choice, Training, train_one_epoch
 from my_dataset import loaders
 from network.architectures import create_model, freeze_all_but_head
@@ -26,12 +27,48 @@ LOAD_IMAGES = 16  # training images loaded to time loading in this process (afte
 LOADER_BATCHES = 3  # batches a loader worker delivers to time it (after its first)
 
 
-def time_candidates(candidates: list[Choice], config, plan, device: torch.device) -> dict:
+@dataclass
+class Measured:
+    """What auto measured: each candidate's training images per second (its micro-batch set), the lines of the
+    micro-batch search, one loader worker's seconds per image and the device's to make a batch (None: not timed)."""
+
+    speeds: dict
+    lines: list
+    load: float | None = None
+    making: float | None = None
+
+
+def measure(config, plan, device: torch.device, train_set, candidates: list[Choice], todo: dict) -> Measured:
+    """Time what `todo` asks for (choose.py's): the largest micro-batch that fits, train_one_epoch's steps in each
+    candidate, loading, and making batches on the device (in the fastest candidate's layout). The run's random
+    state is left as it was."""
+    micro_batch, lines = todo["given_micro_batch"], []
+    if todo["micro_batch"]:
+        micro_batch, lines = fitting_micro_batch(config, plan, device, candidates[0], todo["held"], todo["world_size"])
+        micro_batch = micro_batch or todo["given_micro_batch"]
+    candidates = [replace(candidate, micro_batch=micro_batch) for candidate in candidates]
+    try:
+        seconds = time_candidates(candidates, config, plan, device, todo["world_size"])
+    except torch.OutOfMemoryError:  # a --micro-batch given by hand (auto's was found to fit)
+        raise OutOfMemory(
+            f"--micro-batch {config.micro_batch} does not fit in the memory of {config.model} at {config.img_size} "
+            f"px on {device}: give a smaller one, or leave it to auto"
+        ) from None
+    measured = Measured({candidate: 1 / seconds[candidate] for candidate in candidates}, lines)
+    fastest = max(measured.speeds, key=measured.speeds.get)
+    if todo["workers"] or todo["where"]:
+        measured.load = time_loading(train_set, config, device)
+    if todo["where"]:
+        measured.making = device_seconds_per_image(train_set, config.batch_size, device, fastest.memory_format)
+    return measured
+
+
+def time_candidates(candidates: list[Choice], config, plan, device: torch.device, world_size: int = 1) -> dict:
     """Seconds per image of train_one_epoch's steps of the run's model in each candidate, on a synthetic batch of the
     run's size: the fastest of the samples taken in turns (take_turns), after one untimed step each (two on a GPU,
     whose first also sets up its libraries). The run's random state is left as it was."""
     classes = len(plan.split.classes)
-    images = config.epochs * len(plan.split.train_images) / get_world_size()  # what this process will train
+    images = config.epochs * len(plan.split.train_images) / world_size  # what this process will train
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model = measured_model(config, classes, device)
         steps = stepper(model, config.batch_size, config.img_size, classes, device)
@@ -94,14 +131,14 @@ def measured_model(config, classes: int, device: torch.device):
     return model.to(device).train()
 
 
-def fitting_micro_batch(config, plan, device: torch.device, hungriest: Choice, held: int = 0):
+def fitting_micro_batch(config, plan, device: torch.device, hungriest: Choice, held: int = 0, world_size: int = 1):
     """(the largest micro-batch of the run's model that fits `device`, None for the whole batch; the line saying
     so): passes on synthetic batches in `hungriest`'s precision (float32's activations take most memory), beside
     what training holds besides: the optimizer's moments, DDP's gradient buckets, the images `held` there."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model = measured_model(config, len(plan.split.classes), device).to(memory_format=hungriest.memory_format)
         trained = [p for p in model.parameters() if p.requires_grad]
-        copies = (2 if config.opt == "adamw" else 1) + (get_world_size() > 1)
+        copies = (2 if config.opt == "adamw" else 1) + (world_size > 1)
         reserve = copies * sum(p.numel() * p.element_size() for p in trained) + held
         images = torch.randn(config.batch_size, 3, config.img_size, config.img_size, device=device)
         images = images.contiguous(memory_format=hungriest.memory_format)

@@ -1,2 +1,2 @@
-"""The parts of my_dataset.py: the data folder read and split, an image file read, the transform presets, the
-images decoded once into memory, seeded sampling, the demo data and the start-up check of every image."""
+"""The parts of my_dataset.py: the data folder and its split, images read, decoded once or held on the device,
+transform presets, seeded sampling, the demo data and the start-up check of every image."""

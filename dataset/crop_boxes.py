@@ -1,19 +1,8 @@
-"""The random crop box and flip of many training images at once, each exactly as RandomResizedCrop and
-RandomHorizontalFlip draw it from the image's own seed (dataset/sampling.py): the same integers as the loader's
-transforms, computed for a whole epoch's images in a few milliseconds instead of 0.1 ms an image.
-
-Drawing an image's augmentation, the loader seeds torch's CPU generator with the image's seed and lets the
-transforms draw from it: RandomResizedCrop (torchvision.transforms.v2) draws an area fraction and a log aspect
-ratio (two uniform floats) up to 10 times until the box fits, then the box's top and left (two random integers),
-and RandomHorizontalFlip one float. Each of these takes one 32-bit word from the generator, the Mersenne Twister
-MT19937 initialised from the seed's low 32 bits; so the first 23 words of each seed's stream decide its box and
-flip. `mt19937_words` computes those words for every seed at once (numpy, vectorised over the seeds), and `draw`
-turns them into boxes by the transforms' own arithmetic (float32 uniforms, as torch's CPU kernels compute them).
-
-One step is floating point whose last bit may differ between math libraries: exp() of the log aspect ratio. It can
-change a box only where a side's square root lands within a hair of a half-integer, which rounding then decides;
-`draw` hands every such image (about one in 2,500) to the transforms' own make_params, with the seed set as the
-loader sets it. tests/test_on_device.py checks the boxes against make_params's on thousands of seeds and sizes.
+"""The crop box and flip of a whole epoch's training images at once: the integers RandomResizedCrop and
+RandomHorizontalFlip draw after torch.manual_seed(the image's seed), from the first 23 words of torch's MT19937
+computed for every seed together (milliseconds an epoch, not 0.1 ms an image). Where exp()'s last bit, which math
+libraries may differ in, could tip a rounding, the transforms themselves decide (docs/performance.md, Batches made
+on the device).
 """
 
 import numpy as np
@@ -27,9 +16,8 @@ CLOSE_TO_HALF = 1e-4  # a square root this close to a half-integer: the transfor
 
 
 def mt19937_words(seeds: np.ndarray, count: int = WORDS) -> np.ndarray:
-    """The first `count` 32-bit words torch's CPU generator gives after manual_seed(seed), for each of `seeds`:
-    an array of (len(seeds), count) uint32. MT19937 as torch seeds it (init_genrand of the seed's low 32 bits),
-    then its first twist for the words needed, then its tempering."""
+    """The first `count` words torch's CPU generator gives after manual_seed(seed), for each of `seeds`: (len(seeds),
+    count) uint32. MT19937's init_genrand, its first twist for the words needed, then its tempering."""
     rows = MERSENNE_M + count
     state = np.empty((rows, len(seeds)), dtype=np.uint32)
     state[0] = np.asarray(seeds, dtype=np.uint64) & np.uint64(0xFFFFFFFF)
@@ -47,16 +35,15 @@ def mt19937_words(seeds: np.ndarray, count: int = WORDS) -> np.ndarray:
 
 
 def uniform(words: np.ndarray, low: float, high: float) -> np.ndarray:
-    """torch's float32 uniform_(low, high) from each 32-bit word: its low 24 bits over 2**24, times (high - low) in
-    float32, plus low, in double, rounded to float32; as float64 (what .item() gives)."""
+    """torch's float32 uniform_(low, high) from each 32-bit word, as float64 (what .item() gives)."""
     low32, high32 = np.float32(low), np.float32(high)
     fraction = (words & np.uint32(0xFFFFFF)).astype(np.float64) * 2.0**-24
     return (fraction * np.float64(high32 - low32) + np.float64(low32)).astype(np.float32).astype(np.float64)
 
 
 def draw(crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, seeds, heights, widths):
-    """Each image's box (top, left, height, width) and flip, as `crop` and `flip` draw them for an image of that
-    height and width after torch.manual_seed(seed): (boxes, an int64 array of (n, 4); flips, a bool array)."""
+    """Each image's box (top, left, height, width; int64 (n, 4)) and flip (bool), as `crop` and `flip` draw them
+    for an image of that height and width after torch.manual_seed(seed)."""
     seeds = np.asarray(seeds, dtype=np.uint64)
     heights, widths = np.asarray(heights, dtype=np.int64), np.asarray(widths, dtype=np.int64)
     words = mt19937_words(seeds)
@@ -106,8 +93,8 @@ def central_box(crop: v2.RandomResizedCrop, height: int, width: int) -> tuple[in
 
 
 def drawn_by_the_transforms(crop, flip, seed: int, height: int, width: int) -> tuple[list[int], bool]:
-    """An image's box and flip drawn by the transforms themselves, after torch.manual_seed(seed) as the loader sets
-    it (the generator's state is kept: this process's own draws go on as before)."""
+    """An image's box and flip drawn by the transforms themselves after manual_seed(seed), this process's generator
+    left as it was."""
     make_params = getattr(crop, "make_params", None) or crop._get_params  # torchvision before 0.21: _get_params
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)

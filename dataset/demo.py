@@ -1,9 +1,7 @@
 """Offline demo data: a small flower_photos-shaped folder of drawn flowers, so that everything runs without a download.
 
-Five classes of drawn "flowers" on cluttered backgrounds. Colour alone does not tell them apart (daisies and
-roses can both be white, dandelions and sunflowers are both yellow, tulips take any of those colours): a network
-has to learn shapes (petal count and form, centre size) too. Everything is drawn from a generator seeded by
-(seed, class, image number), so the same call always gives the same files.
+Colour alone does not tell the five classes apart (daisies and roses can both be white, tulips take any colour): a
+network has to learn shapes too. Each image is drawn from a generator seeded by (seed, class, image number).
 """
 
 import contextlib
@@ -102,11 +100,8 @@ def _demo_image(kind: str, rng: random.Random, width: int, height: int) -> Image
 
 
 def make_demo_data(root=DEMO_DATA_PATH, images_per_class: int = 150, size=(96, 72), seed: int = 0) -> Path:
-    """Create a small flower_photos-shaped folder of JPEGs once; later calls find it and return at once.
-
-    Safe to call from several processes at the same time (a file lock), and a crash while writing leaves no
-    half-made folder behind (the images are written to a temporary folder that is renamed when complete).
-    """
+    """Create the folder of JPEGs once (later calls find it); safe from several processes at once (a file lock),
+    and a crash leaves no half-made folder (written to a temporary folder, renamed when complete)."""
     root = Path(root)
     if root.is_dir():
         return root

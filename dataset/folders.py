@@ -1,13 +1,5 @@
-"""The data folder: its class folders and their images, read into training and validation lists.
-
-A dataset here is a folder with one sub-folder per class (the layout of flower_photos), split at random:
-
-    flower_photos/daisy/1234.jpg, flower_photos/roses/5678.jpg, ...
-
-or a folder of train/ and val/ alone, each with one sub-folder per class (ImageNet's layout), used as given:
-
-    flowers/train/daisy/1234.jpg, flowers/val/daisy/5678.jpg, ...
-"""
+"""The data folder read into training and validation lists: one sub-folder per class (flower_photos/daisy/1.jpg),
+split at random, or train/ and val/ alone, each with one sub-folder per class (ImageNet's layout), used as given."""
 
 import hashlib
 import os
@@ -28,14 +20,13 @@ class DataSplit:
     val_images: list[str]
     val_labels: list[int]
     classes: list[str]
-    unreadable: list[str] = field(default_factory=list)  # left out of both sets (with verify_images=True)
-    given: bool = False  # True: the data folder's own train/ and val/, not a random split by val_rate and seed
+    unreadable: list[str] = field(default_factory=list)  # left out of both sets (verify_images)
+    given: bool = False  # the data folder's own train/ and val/, not a random split
 
 
 def split_fingerprint(split: DataSplit, root) -> dict:
-    """What tells one split from another, for a run's record: per set, its image count and a sha256 over its
-    images' paths relative to `root` (a moved data folder is the same data) with their labels, sorted (the order
-    the files were listed in does not matter)."""
+    """What tells one split from another, for a run's record: per set, its image count and a sha256 of its sorted
+    (path relative to `root`, label) pairs, so that neither a moved data folder nor the listing order counts."""
 
     def digest(images: list[str], labels: list[int]) -> str:
         pairs = zip(relative_posix(images, root), labels, strict=True)
@@ -51,9 +42,8 @@ def split_fingerprint(split: DataSplit, root) -> dict:
 
 
 def relative_posix(paths, root) -> list[str]:
-    """Each of `paths` relative to `root`, with / between its parts on every system ("daisy/1234.jpg"). Paths
-    that start with `root` as read_split_data writes them are cut as strings: a Path object per image costs about
-    10 us, a second at 100,000 images."""
+    """Each of `paths` relative to `root`, with / on every system ("daisy/1234.jpg"); cut as strings where they
+    can be (a Path object per image costs a second at 100,000 images)."""
     prefix = os.path.join(str(root), "")
     return [
         path[len(prefix) :].replace(os.sep, "/") if path.startswith(prefix) else Path(path).relative_to(root).as_posix()
@@ -62,10 +52,7 @@ def relative_posix(paths, root) -> list[str]:
 
 
 def image_names(folder) -> list[str]:
-    """The names of the image files directly inside `folder`, extension matched case-insensitively, sorted
-    (ignoring case where the system does, as Path's own order does).
-
-    os.scandir tells files from folders without a stat call per file on most filesystems, ten times faster than
+    """The sorted names of the image files directly inside `folder`, by os.scandir: ten times faster than
     Path.iterdir and is_file at 100,000 images (docs/performance.md, Start-up)."""
     with os.scandir(folder) as entries:
         names = [
@@ -77,33 +64,28 @@ def image_names(folder) -> list[str]:
 
 
 def list_images(folder: Path) -> list[Path]:
-    """The image files directly inside `folder` (image_names), as paths."""
+    """The image files directly inside `folder`, as paths."""
     return [folder / name for name in image_names(folder)]
 
 
 def paths_in(folder) -> list[str]:
-    """The image files directly inside `folder` (image_names), as strings: str(folder / name), at a tenth of
-    the cost."""
+    """The image files directly inside `folder`, as strings (a tenth of the cost of paths)."""
     prefix = os.path.join(folder, "")
     return [prefix + name for name in image_names(folder)]
 
 
 def unreadable_images(images: list[str]) -> list[str]:
-    """Those of `images` that PIL cannot decode (image_problem), each decoded once."""
+    """Those of `images` that PIL cannot decode."""
     return [path for path in images if image_problem(path) is not None]
 
 
 def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None, verify_images=False) -> DataSplit:
-    """The training and validation lists of a dataset in either layout (see given_split_folders for the rule
-    that tells them apart): a class-per-folder dataset is split at random, a folder of train/ and val/ is used as
-    it is. Training, evaluate.py and predict.py all call this, so all of them see the same split.
+    """The training and validation lists of a dataset in either layout (given_split_folders tells them apart);
+    training, evaluate.py and predict.py all call this, so all of them see the same split.
 
-    With `verify_images`, the images that cannot be decoded are left out (listed in .unreadable): True decodes
-    every image (unreadable_images); a function does the same job its own way, given every listed image at once
-    and returning the unreadable ones (the training scripts pass dataset/image_check.py's ImageCheck, which
-    remembers its verdicts from one start of a run to the next).
-    With `output_dir`, class_indices.json is written there.
-    """
+    With `verify_images`, images that cannot be decoded are left out (listed in .unreadable): True decodes each,
+    a function is given every image at once and returns the unreadable ones (the training scripts pass
+    dataset/image_check.py's ImageCheck, which remembers its verdicts between starts of a run)."""
     root = Path(root)
     if not root.exists():
         raise UserError(f"data path {root} does not exist")
@@ -112,29 +94,22 @@ def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None,
     if not 0.0 < val_rate < 1.0:
         raise UserError(f"validation rate must be between 0 and 1, got {val_rate}")
     check = unreadable_images if verify_images is True else verify_images or None
-    if given_split_folders(root):
-        split = given_split(root, check)
-    else:
-        split = random_split(root, val_rate, seed, check)
+    split = given_split(root, check) if given_split_folders(root) else random_split(root, val_rate, seed, check)
     if output_dir is not None:
         write_class_indices(split.classes, output_dir)
     return split
 
 
 def sub_folders(folder: Path) -> list[str]:
-    """The sorted names of the sub-folders of `folder`, hidden ones (.git, .ipynb_checkpoints) left out."""
+    """The sorted names of the sub-folders of `folder`, hidden ones (.git) left out."""
     return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 def given_split_folders(root: Path) -> bool:
-    """Whether `root` holds a split made in advance: its sub-folders are exactly `train` and `val` (loose files
-    beside them are ignored, as they are beside class folders).
-
-    A root with `train/` and `val/` and other sub-folders too (a `test/`, say) is refused rather than guessed at.
-    A root with only one of the two is read as class-per-folder: `train` can be a class (of vehicles, say). The
-    one layout this cannot tell apart is a class-per-folder dataset whose only classes are named train and val;
-    its images lie directly in train/ and val/, which given_split then refuses, naming the rule.
-    """
+    """Whether `root` holds a split made in advance: its sub-folders are exactly `train` and `val`. With others
+    beside them (a `test/`) it is refused rather than guessed at; with only one of them it is class-per-folder
+    (`train` can be a class of vehicles). Classes named only train and val would be misread, and given_split
+    refuses them, naming the rule."""
     names = sub_folders(root)
     if not {"train", "val"} <= set(names):
         return False
@@ -148,8 +123,8 @@ def given_split_folders(root: Path) -> bool:
 
 
 def given_split(root: Path, check) -> DataSplit:
-    """train/ and val/ as they are, each a class-per-folder set: no image moves from one to the other, whatever
-    the validation rate or seed. Both must have the same classes, and every class images in both."""
+    """train/ and val/ as they are, whatever the validation rate or seed; both must have the same classes, and
+    every class images in both."""
     classes = {part: sub_folders(root / part) for part in ("train", "val")}
     for part, names in classes.items():
         if not names:
@@ -176,9 +151,8 @@ def given_split(root: Path, check) -> DataSplit:
 
 
 def random_split(root: Path, val_rate: float, seed: int, check) -> DataSplit:
-    """Classes are the sorted sub-folder names. Each class is split on its own (so every class is in both sets),
-    from its sorted file list shuffled by a generator seeded with (seed, class name): the split is the same on
-    every rank, every run and every filesystem."""
+    """Each class (a sub-folder) split on its own, so that it is in both sets, its sorted file list shuffled by a
+    generator seeded with (seed, class name): the same split on every rank, run and filesystem."""
     classes = sub_folders(root)
     if not classes:
         raise UserError(f"data path {root} has no class sub-folders (expected e.g. {root}/daisy/*.jpg)")
@@ -189,22 +163,17 @@ def random_split(root: Path, val_rate: float, seed: int, check) -> DataSplit:
             raise UserError(f"class folder {root / name} has {len(images)} image; at least 2 are needed to split it")
         random.Random(f"{seed}:{name}".encode("utf-8", NAMES)).shuffle(images)  # (as str: the same draws)
         num_val = min(max(1, round(len(images) * val_rate)), len(images) - 1)
-        for i, path in enumerate(images):
-            images_out, labels_out = (
-                (split.val_images, split.val_labels) if i < num_val else (split.train_images, split.train_labels)
-            )
-            images_out.append(path)
-            labels_out.append(label)
+        split.val_images += images[:num_val]
+        split.val_labels += [label] * num_val
+        split.train_images += images[num_val:]
+        split.train_labels += [label] * (len(images) - num_val)
     return split
 
 
 def class_images(folders: list[Path], check, unreadable: list[str]) -> list[list[str]]:
-    """The paths of the images of each class folder. With `check` (read_split_data's verify_images function),
-    run once over all of them, those it finds unreadable are left out and added to `unreadable`. A class folder
-    without a readable image is an error, in a training set and a validation set alike: a class never validated
-    would score an undefined recall, one never trained could not be learned.
-
-    Paths are strings here, as the split keeps them: Path objects would cost seconds at 100,000 images."""
+    """The image paths (strings, as the split keeps them) of each class folder, less those `check` finds
+    unreadable (added to `unreadable`). A folder left without images is an error in either set: a class never
+    validated has no recall, one never trained cannot be learned."""
     found = [paths_in(folder) for folder in folders]
     if check is not None:
         bad = set(check([path for images in found for path in images]))
@@ -217,8 +186,8 @@ def class_images(folders: list[Path], check, unreadable: list[str]) -> list[list
 
 
 def no_images_in(folder: Path) -> str:
-    """Why class folder `folder` gives no image, in a line: none readable in it, or only folders of images (most
-    often a data path one level too high: data/ given for data/flower_photos/daisy/*.jpg)."""
+    """Why class folder `folder` gives no image: none readable, or only sub-folders (a data path one level too
+    high)."""
     message = f"class folder {folder} holds no readable images ({' '.join(IMAGE_EXTENSIONS)})"
     inside = sub_folders(folder)
     if inside:
@@ -230,5 +199,5 @@ def no_images_in(folder: Path) -> str:
 
 
 def write_class_indices(classes: list[str], output_dir) -> None:
-    """class_indices.json: {"0": "daisy", "1": "dandelion", ...}, how predictions map back to names."""
+    """class_indices.json ({"0": "daisy", ...}): how predictions map back to names."""
     write_json(Path(output_dir) / "class_indices.json", {str(i): name for i, name in enumerate(classes)})

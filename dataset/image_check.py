@@ -1,22 +1,8 @@
-"""The start-up check of a run's images, done once per run and remembered between its starts.
-
-Before training, every image of the data folder is decoded once, so that unreadable ones are left out (or, with
---strict-images, stop the run) before any process trains. That costs about 0.2 ms an image: seconds for
-flower_photos, minutes for a million images. Two rules keep it cheap:
-
-- Remembered. Each image's verdict (readable, or why not) is kept in the run's folder, in checked_images.json,
-  keyed by the image's path relative to the data folder, its size and its modification time (what make and rsync
-  use to tell a changed file). A run that restarts or resumes decodes only the images that are new or changed;
-  one that was deleted is no longer listed, so it is neither in the split nor in the file. (A file rewritten with
-  the same size within one tick of the filesystem's clock keeps its key; if it broke, it is skipped with a warning
-  when its turn comes, as any image that breaks during a run is.)
-- Once per run. Under torchrun every rank prepares, before any process group exists. The ranks share the run's
-  folder (a filesystem all of them see, on one machine or several): the first to find images it has no verdict
-  for takes a lock in that folder, decodes them and writes the verdicts; each other rank then takes the lock in
-  turn and finds them written. A rank that dies while it holds the lock releases it (the lock is the operating
-  system's), and the next one does the work. This needs a folder every rank knows before it starts: --output-dir,
-  or the folder of --resume. Without one, the ranks each name a folder by the time they start, which can differ by
-  a second, so each rank checks for itself, as before.
+"""The start-up check of a run's images: each decoded once, so that unreadable ones are left out (or, with
+--strict-images, stop the run); its verdicts remembered in the run's folder (checked_images.json, keyed by path,
+size and modification time), so that a restart decodes only new or changed images; under torchrun, done by one
+rank under a lock in that folder while the others wait (docs/resuming-and-failures.md, Unreadable images at the
+start).
 """
 
 import contextlib
@@ -31,17 +17,16 @@ from dataset.folders import relative_posix
 from read_back import misfits, read_json
 from utils import UserError, warn, write_atomically
 
-CHECKED_IMAGES = "checked_images.json"  # in a run's folder: the verdicts
-CHECK_LOCK = ".checked_images.lock"  # in a run's folder: held by the rank that is checking images
+CHECKED_IMAGES = "checked_images.json"  # in a run's folder
+CHECK_LOCK = ".checked_images.lock"  # in a run's folder: held by the rank checking images
 FORMAT = 1
 
 
 class ImageCheck:
-    """read_split_data's verify_images function for a run: given the images of the data folder `root`, the
-    unreadable ones, decoding only those with no remembered verdict in `folder` (the run's folder, or None when
-    it is not known yet). `shared`: other ranks check the same images at the same time, so the decoding is done
-    under a lock in `folder` and its verdicts written at once; otherwise write them with save() when the folder is
-    this process's to write."""
+    """read_split_data's verify_images function for a run: the unreadable ones of the images of data folder
+    `root`, decoding only those with no verdict remembered in `folder` (the run's, or None if not known yet).
+    `shared`: other ranks check the same images at once, so decode under a lock in `folder` and write the verdicts
+    at once; otherwise save() writes them when the folder is this process's."""
 
     def __init__(self, root, folder: Path | None, shared: bool = False):
         self.root, self.folder, self.shared = Path(root), folder, shared and folder is not None
@@ -67,8 +52,8 @@ class ImageCheck:
         return [path for name, (path, key) in now.items() if key is None or self.verdicts[name][2] is not None]
 
     def remembered(self, folder: Path | None, quietly: bool = False) -> dict[str, list]:
-        """The verdicts kept in `folder`. A damaged file (cut short, edited by hand) keeps none: its images are
-        decoded again, with one warning saying so (unless `quietly`), and save() replaces it."""
+        """The verdicts kept in `folder`; none from a damaged file (warned of unless `quietly`), which save()
+        replaces."""
         try:
             return read_verdicts(folder)
         except UserError as damage:
@@ -77,8 +62,8 @@ class ImageCheck:
             return {}
 
     def stale(self, now: dict) -> list[str]:
-        """The images in `now` (relative path: (path, key)) without a verdict for the file as it is now (those
-        that vanished since they were listed, with no key, need none: they are unreadable)."""
+        """The images in `now` (relative path: (path, key)) without a verdict for the file as it is now (a vanished
+        one, with no key, needs none: it is unreadable)."""
         return [name for name, (_, key) in now.items() if key is not None and self.key_of(name) != key]
 
     def key_of(self, name: str) -> tuple[int, int] | None:
@@ -86,7 +71,6 @@ class ImageCheck:
         return None if verdict is None else (verdict[0], verdict[1])
 
     def decode(self, now: dict) -> None:
-        """Decode the stale images of `now`, and keep their verdicts."""
         for name in self.stale(now):
             path, (size, mtime_ns) = now[name]
             self.verdicts[name] = [size, mtime_ns, dataset.images.image_problem(path)]
@@ -101,14 +85,12 @@ class ImageCheck:
         self.verdicts = listed
 
     def save(self, folder: Path, merge: bool = False) -> None:
-        """Write the verdicts of the images listed at the last check into `folder` (atomically), if any changed: a
-        damaged file is replaced by a good one. Called by the process that writes the run's files, once it holds
-        the folder (plan.prepare), and by evaluate.py, which `merge`s its verdicts into the run's."""
+        """Write the verdicts, if any changed, into `folder` (atomically): by the process that writes the run's
+        files once it holds the folder (plan.prepare), and by evaluate.py, which `merge`s its verdicts in."""
         if not self.unsaved:
             return
-        # Merged with the verdicts already there: under torchrun the ranks check before rank 0 holds the folder, so
-        # a run that is then refused (another run holds it) must not take that run's verdicts away; nor may an
-        # evaluation of other images.
+        # Merged with those there: the ranks check before rank 0 holds the folder, and a run then refused (another
+        # run holds it) must not take that run's verdicts away; nor may an evaluation of other images.
         verdicts = self.remembered(folder, quietly=True) | self.verdicts if self.shared or merge else self.verdicts
         record = {"format": FORMAT, "root": str(self.root), "images": verdicts}
         text = json.dumps(record, separators=(",", ":"))
@@ -118,8 +100,7 @@ class ImageCheck:
 
 @contextlib.contextmanager
 def check_lock(folder: Path):
-    """Hold the lock in `folder` that the ranks of a run take in turn to check its images, waiting for it; UserError
-    if it cannot be taken (a folder in its place, or a file this user may not open)."""
+    """Hold the lock in `folder` that a run's ranks take in turn to check its images; UserError if it cannot."""
     lock = FileLock(folder / CHECK_LOCK)
     try:
         lock.acquire()
@@ -135,7 +116,7 @@ def check_lock(folder: Path):
 
 
 def file_key(path: str) -> tuple[int, int] | None:
-    """(size, modification time in ns) of `path`, or None if it cannot be read (vanished since it was listed)."""
+    """(size, modification time in ns) of `path`, or None if it vanished since it was listed."""
     try:
         stat = os.stat(path)
     except OSError:
@@ -144,8 +125,8 @@ def file_key(path: str) -> tuple[int, int] | None:
 
 
 def read_verdicts(folder: Path | None) -> dict[str, list]:
-    """The verdicts remembered in `folder` (none if it has no such file yet: the images are decoded then); UserError
-    naming the file if it is not one this code wrote whole (not JSON, another format, a verdict of another shape)."""
+    """The verdicts remembered in `folder` (none without the file); UserError naming the file if it is not one this
+    code wrote whole."""
     path = None if folder is None else folder / CHECKED_IMAGES
     if path is None or not path.exists():
         return {}
@@ -163,7 +144,7 @@ def read_verdicts(folder: Path | None) -> dict[str, list]:
 
 
 def is_verdict(verdict) -> bool:
-    """Whether `verdict` is one as decode() keeps it: [size, mtime_ns, problem], the problem a string or None."""
+    """Whether `verdict` is [size, mtime_ns, problem or None], as decode() keeps it."""
     return (
         isinstance(verdict, list)
         and len(verdict) == 3

@@ -6,8 +6,7 @@ import math
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
-# The label of an image that could not be read during a run (deleted or broken after the start-up check): the
-# loss and the counts leave it out (my_dataset.MyDataSet gives it).
+# The label my_dataset.MyDataSet gives an image that could not be read during a run: the loss and counts skip it.
 SKIPPED = -100
 
 
@@ -23,12 +22,9 @@ def image_problem(path) -> str | None:
 
 
 def load_rgb(path, min_side: int | None = None) -> Image.Image:
-    """Open any image PIL reads as 8-bit RGB: grey, palette, alpha, CMYK and 16-bit or float images included.
-
-    With `min_side`, a JPEG much larger than needed is decoded at 1/2, 1/4 or 1/8 scale (JPEG's own cheap
-    reduced decoding), keeping its shorter side at least `min_side`: a 4000x3000 phone photo validated at
-    224 px decodes 64 times fewer pixels. Smaller images, and other formats, are decoded in full.
-    """
+    """Open any image PIL reads (grey, palette, alpha, CMYK, 16-bit or float) as 8-bit RGB. With `min_side`, a
+    large JPEG is decoded at 1/2, 1/4 or 1/8 scale with its shorter side at least `min_side` (draft): a 4000x3000
+    photo validated at 224 px decodes 64 times fewer pixels."""
     with Image.open(path) as image:
         draft(image, min_side)
         image = ImageOps.exif_transpose(image)  # phone photos are often stored sideways with a rotation tag
@@ -43,17 +39,16 @@ def load_rgb(path, min_side: int | None = None) -> Image.Image:
 
 
 def draft(image: Image.Image, min_side: int | None) -> None:
-    """Have PIL decode a JPEG opened as `image` at 1/2, 1/4 or 1/8 scale where its shorter side stays at least
-    `min_side` (load_rgb). The image's size says the reduced size at once, before anything is decoded."""
+    """Have PIL decode the JPEG `image` at 1/2, 1/4 or 1/8 scale where its shorter side stays at least `min_side`
+    (its size says the reduced size at once)."""
     if min_side is not None and min(image.size) > 2 * min_side:
         scale = min_side / min(image.size)
         image.draft("RGB", (math.ceil(image.width * scale), math.ceil(image.height * scale)))
 
 
 def decoded_size(path, min_side: int | None = None) -> tuple[int, int] | None:
-    """(height, width) of load_rgb(path, min_side)'s image, from the file's header alone (nothing is decoded):
-    the reduced JPEG scale, and the sides swapped by an EXIF rotation of a quarter turn. None if PIL cannot
-    open the file."""
+    """(height, width) of load_rgb(path, min_side)'s image from the file's header alone (a quarter turn by EXIF
+    included); None if PIL cannot open the file."""
     try:
         with Image.open(path) as image:
             draft(image, min_side)

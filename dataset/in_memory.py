@@ -20,18 +20,15 @@ import torch.distributed as dist
 from dataset.images import decoded_size, load_rgb
 from machine import available_cores, cores_per_process, memory_limit
 
-# Where the first process of a machine leaves the decoded images for the others, the first with room (share)
+# Where the first process of a machine leaves the decoded images for the others: the first with room (share)
 SHARED_FOLDERS = [Path("/dev/shm"), Path(tempfile.gettempdir())]
 
 
 class DecodedImages:
-    """The images of a MyDataSet decoded once, as load_rgb decodes them, and kept as 8-bit pixels in one tensor:
-    image i is `shapes[i]` (height, width) x 3 bytes from `pixels[offsets[i]]`, given out as the 3 x height x
-    width tensor v2.ToImage makes of load_rgb's image, so every transform computes exactly what it would on the
-    file's image. An offset of -1: the image was not decoded (its file could not be), and is read from its file.
-
-    Loader workers share the tensor, not copies of it: those started by fork (Linux) inherit it, those started by
-    spawn (Windows, macOS) receive it in shared memory, as torch hands tensors to other processes."""
+    """A MyDataSet's images as load_rgb decodes them, 8-bit in one tensor: image i is `shapes[i]` (height, width)
+    x 3 bytes from `pixels[offsets[i]]` (-1: not decoded, read from its file), given out as v2.ToImage's 3 x height
+    x width tensor, so every transform computes what it would on the file's image. Loader workers share the
+    tensor: inherited by fork, or in shared memory by spawn."""
 
     def __init__(self, pixels: torch.Tensor, offsets: torch.Tensor, shapes: torch.Tensor):
         self.pixels, self.offsets, self.shapes = pixels, offsets, shapes
@@ -45,23 +42,19 @@ class DecodedImages:
 
 
 def decode_once(sets: list, gigabytes: float | None, process=None) -> str:
-    """Decode every image of `sets` (MyDataSets) once into memory (DecodedImages), if all of them fit in
-    `gigabytes` (None: a quarter of the memory this run may use, memory_budget; 0: none), so that an epoch only
-    crops and flips them. Returns the line saying what it did, and within what budget.
-
-    DDP: the processes of one machine (`process` says this one's place among them) share one decoding
-    (decode_on_this_machine), instead of each decoding every image on its share of the cores."""
+    """Decode every image of `sets` (MyDataSets) once into memory, if all fit in `gigabytes` (None: memory_budget;
+    0: none); returns the line saying what it did, within what budget. Under DDP the processes of one machine
+    share one decoding (decode_on_this_machine)."""
     if process is None or process.local_world_size == 1:
         return decode_here(sets, gigabytes, 1, available_cores())
     return decode_on_this_machine(sets, gigabytes, process)
 
 
 def decode_on_this_machine(sets: list, gigabytes: float | None, process) -> str:
-    """DDP: the first process of this machine decodes the images with all of its cores (the others wait: their
-    cores would idle otherwise) and writes their pixels to a file (in memory where the system has room there:
-    share); the others map that file and copy it into memory of their own; then the file is removed. Each process
-    of the job meets the others twice here (a barrier each), so every machine's processes go on together. Where
-    the file cannot be written (a full or read-only folder), the others decode their own, and the line says why."""
+    """The first process of this machine decodes with all of its cores and writes the pixels to a file (share);
+    the others wait, then copy it into memory of their own (read_shared), and it is removed; two barriers keep
+    every machine's processes together. Where the file cannot be written, each decodes its own, the line says
+    why."""
     token = [uuid.uuid4().hex]
     dist.broadcast_object_list(token)  # one name for this start of the job, rank 0's
     name = f"decoded-images-{token[0]}-{host_tag()}"
@@ -82,12 +75,9 @@ def decode_on_this_machine(sets: list, gigabytes: float | None, process) -> str:
 
 
 def share(sets: list, line: str, places: list[Path]) -> str:
-    """Write `sets`' decoded pixels, one after another, to <place>.pixels, then their offsets and shapes and
-    decode_here's `line` to <place>.pt (torch.save; the sign that all is written) for the other processes of this
-    machine (read_shared). The place is the first of `places` whose folder has room for them with a quarter to
-    spare: /dev/shm (memory, on Linux) before the temporary folder, as a container's /dev/shm is often 64 MB;
-    writing 1.4 GB took 0.7 s there on the 2-core test machine, 5.8 s to its disk. Returns `line`, with why the
-    others decode their own where nothing could be written."""
+    """Write `sets`' pixels to <place>.pixels, then their offsets, shapes and `line` to <place>.pt (the sign that
+    all is written), at the first of `places` with room to spare: /dev/shm (1.4 GB in 0.7 s, against 5.8 s to
+    disk) unless it is a container's 64 MB. Returns `line`, with why where nothing could be written."""
     decoded = [data.decoded for data in sets]
     needed = sum(images.pixels.numel() for images in decoded if images is not None)
     path = next((place for place in places if room(place.parent) > 1.25 * needed), places[-1])
@@ -108,13 +98,13 @@ def share(sets: list, line: str, places: list[Path]) -> str:
 
 
 def room(folder: Path) -> int:
-    """Bytes free in `folder`; 0 where there is no such folder."""
+    """Bytes free in `folder` (0 where there is none)."""
     return shutil.disk_usage(folder).free if folder.is_dir() else 0
 
 
 def read_shared(sets: list, places: list[Path]) -> str | None:
-    """The line of the decoding that the first process of this machine left at one of `places` (share), its
-    images set on `sets`, each a copy in this process's memory; None where it left none."""
+    """The line of the decoding this machine's first process left at one of `places`, its images copied onto
+    `sets`; None where it left none."""
     path = next((place for place in places if place.with_suffix(".pt").exists()), None)
     if path is None:
         return None
@@ -130,16 +120,13 @@ def read_shared(sets: list, places: list[Path]) -> str | None:
 
 
 def host_tag() -> str:
-    """A short tag of this machine's name: machines that share a temporary folder keep their files apart."""
+    """A tag of this machine's name: machines that share a temporary folder keep their files apart."""
     return hashlib.sha256(platform.node().encode()).hexdigest()[:8]
 
 
 def decode_here(sets: list, gigabytes: float | None, processes_here: int, threads: int) -> str:
-    """decode_once in this process, with `threads` threads, within the budget of one of `processes_here`
-    processes on this machine.
-
-    The sizes come first, from the files' headers (decoded_size), to know whether they fit before decoding any.
-    The threads decode them (PIL decodes without holding the GIL), a chunk of images to a task (in_chunks)."""
+    """decode_once in this process, by `threads` threads (PIL decodes without the GIL), within one of
+    `processes_here` processes' budget; the sizes from the headers first, to know whether they fit."""
     budget, why = memory_budget(gigabytes, processes_here)
     if budget is None:
         return f"Images: decoded from their files every epoch: {why} (--image-cache-gb)"
@@ -147,17 +134,9 @@ def decode_here(sets: list, gigabytes: float | None, processes_here: int, thread
         return "Images: decoded from their files every epoch (--image-cache-gb 0)"
     start = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        # Each set's (height, width) per image; (0, 0) for a file PIL cannot open, which is not decoded
-        shapes = [
-            torch.tensor(
-                [
-                    size or (0, 0)
-                    for size in in_chunks(pool, partial(decoded_size, min_side=data.min_side), data.images_path)
-                ],
-                dtype=torch.int64,
-            ).reshape(-1, 2)
-            for data in sets
-        ]
+        sizes = [in_chunks(pool, partial(decoded_size, min_side=data.min_side), data.images_path) for data in sets]
+        # (0, 0) for a file PIL cannot open, which is not decoded
+        shapes = [torch.tensor([size or (0, 0) for size in part], dtype=torch.int64).reshape(-1, 2) for part in sizes]
         needed = sum(3 * int(table.prod(dim=1).sum()) for table in shapes)
         if needed > budget:
             return (
@@ -176,11 +155,9 @@ def decode_here(sets: list, gigabytes: float | None, processes_here: int, thread
 
 
 def memory_budget(gigabytes: float | None, processes_here: int) -> tuple[float | None, str]:
-    """(the bytes of decoded images this process may hold; that budget in words, with where it comes from, for
-    decode_once's line): `gigabytes` (--image-cache-gb), or where it is None, a quarter of the memory this run may
-    use (the least of its cgroup's limit, SLURM's allocation and the machine's memory: machine.memory_limit),
-    shared among the `processes_here` training processes on this machine, each of which holds its own; (None,
-    why) where the system does not say its memory."""
+    """(the bytes of decoded images this process may hold, that budget in words): `gigabytes`, or else a quarter
+    of the memory this run may use (machine.memory_limit) shared among this machine's `processes_here` processes;
+    (None, why) where the system does not say its memory."""
     if gigabytes is not None:
         return gigabytes * 1e9, f"the {gigabytes:.1f} GB of --image-cache-gb"
     limit, source = memory_limit()
@@ -195,9 +172,8 @@ def memory_budget(gigabytes: float | None, processes_here: int) -> tuple[float |
 
 
 def decoded_images(data, shapes: torch.Tensor, pool: ThreadPoolExecutor) -> DecodedImages:
-    """The images of `data` (a MyDataSet) decoded by `pool`'s threads into one tensor, image i where `shapes[i]`
-    (its height and width, from decoded_size) says it fits; one whose file cannot be decoded, or decodes to another
-    size than its header said, is left to be read from its file (offset -1)."""
+    """The images of `data` decoded by `pool` into one tensor, where `shapes` (from decoded_size) says; one that
+    fails to decode, or decodes to another size, is left to its file (offset -1)."""
     sizes = 3 * shapes.prod(dim=1)
     ends = sizes.cumsum(dim=0)
     offsets = ends - sizes
@@ -223,8 +199,8 @@ def decoded_images(data, shapes: torch.Tensor, pool: ThreadPoolExecutor) -> Deco
 
 
 def in_chunks(pool: ThreadPoolExecutor, function, items, chunk: int = 64) -> list:
-    """[function(item) for item in items], computed by `pool`'s threads `chunk` items to a task: a task per item
-    costs the pool about 0.1 ms in locking and switching between threads, more than a small image takes to decode."""
+    """[function(item) for item in items] by `pool`'s threads, `chunk` items a task: a task per item costs 0.1 ms,
+    more than a small image takes to decode."""
     items = list(items)
     parts = [items[start : start + chunk] for start in range(0, len(items), chunk)]
     return [result for part in pool.map(lambda part: [function(item) for item in part], parts) for result in part]

@@ -1,23 +1,8 @@
-"""Batches made on the device (--batches device): the images of a run held where the model trains, as 8-bit
-pixels, and each training batch cropped, resized, flipped and normalised there, in a few operations on the whole
-batch; no loader processes, nothing copied to the device but the epoch's crop boxes, once an epoch.
-
-Training (TrainingBatches): the training images stand in one tensor on the device, each padded to the largest
-height and width (HeldImages). At each epoch's start, every image of this process's shard gets its crop box and
-flip, exactly as the loader's RandomResizedCrop and RandomHorizontalFlip would draw them from its seed
-(dataset/crop_boxes.py: the same integers). On a GPU a batch is then the images gathered by index, resampled to
-the crop size by two batched matrix products (resampled_by_matrices: the weights of torch's antialiased bilinear
-interpolation, rows then columns; a flip is the column weights in reverse), and normalised in the step's memory
-layout. On the CPU each image is cropped by the loader's own call, torchvision's resized_crop on its 8-bit pixels
-(one call an image is the fastest there): the CPU's batches are the loader's, bitwise, made without its processes.
-
-Validation (ValidationBatches): this process's validation images resized and centre-cropped once, at the start, by
-the validation transform itself (the same pixels as the loader's), kept on the device; a batch is a slice, as 8-bit
-pixels, which the loop normalises as it does the loader's.
-
-Both stand in for a DataLoader where train_one_epoch and evaluate take one: their length, their dataset, their
-batch sampler (set_epoch, and start_at where a resumed run continues an epoch), and batches of (images on the
-device, labels on the host). On the CPU the same code runs, the training process making each batch itself.
+"""Batches made on the device (--batches device): the images held where the model trains as 8-bit pixels, each
+training batch cropped (with the loader's own boxes: dataset/crop_boxes.py), resized, flipped and normalised there
+in a few operations, validation images transformed once; no loader processes. TrainingBatches and
+ValidationBatches stand in for a DataLoader where train_one_epoch and evaluate take one (docs/performance.md,
+Batches made on the device).
 """
 
 import math
@@ -36,27 +21,22 @@ from machine import cores_per_process
 
 
 class HeldImages:
-    """A MyDataSet's images on `device`: `pixels` (images, height + taps, width + taps, 3) uint8, image i in its
-    top-left corner, zeros around it (the `taps` more rows and columns let every resampling weight fall inside);
-    `sizes` each image's (height, width) and `labels` its class (SKIPPED: unreadable), both in host memory."""
+    """A MyDataSet's images on the device: `pixels` (images, height + taps, width + taps, 3) uint8, each image in
+    its top-left corner, zeros around it so that every resampling weight falls inside; `sizes` (height, width) and
+    `labels` (SKIPPED: unreadable) in host memory."""
 
     def __init__(self, pixels: torch.Tensor, sizes: np.ndarray, labels: np.ndarray, taps: int):
         self.pixels, self.sizes, self.labels, self.taps = pixels, sizes, labels, taps
 
-    @property
-    def bytes(self) -> int:
-        return self.pixels.numel()
-
 
 def resampling_taps(largest_side: int, size: int) -> int:
     """The most input pixels one output pixel of an antialiased bilinear resize to `size` reads, over any crop of
-    a side up to `largest_side`: the filter spans twice the downscaling factor (at least 1), plus one."""
+    a side up to `largest_side`."""
     return math.ceil(2 * max(1.0, largest_side / size)) + 1
 
 
 def held_size(data, size: int) -> tuple[int, int, int]:
-    """(bytes, padded height, padded width) of `data`'s images held as HeldImages for crops of `size`, from their
-    decoded sizes (DecodedImages.shapes) alone."""
+    """(bytes, padded height, padded width) of `data`'s images held for crops of `size`."""
     shapes = data.decoded.shapes
     height, width = (int(side) for side in shapes.max(dim=0).values.tolist()) if len(shapes) else (1, 1)
     taps = resampling_taps(max(height, width), size)
@@ -64,10 +44,8 @@ def held_size(data, size: int) -> tuple[int, int, int]:
 
 
 def hold(data, size: int, device: torch.device, indices=None) -> HeldImages:
-    """`data`'s images (a MyDataSet whose images were decoded once: DecodedImages), or those of `indices`, in one
-    padded tensor on `device`, copied there a chunk at a time. An image that was not decoded is read from its file
-    now; one that cannot be read is left black and labelled SKIPPED, with a warning naming it (as MyDataSet does
-    when it meets one)."""
+    """`data`'s decoded images (or those of `indices`) in one padded tensor on `device`, copied a chunk at a time;
+    one that cannot be read is left black and labelled SKIPPED, with a warning, as MyDataSet does."""
     _, padded_height, padded_width = held_size(data, size)
     taps = resampling_taps(int(data.decoded.shapes.max()) if len(data) else 1, size)
     indices = list(range(len(data))) if indices is None else list(indices)
@@ -89,8 +67,7 @@ def hold(data, size: int, device: torch.device, indices=None) -> HeldImages:
 
 
 def decoded_pixels(data, index: int) -> torch.Tensor | None:
-    """Image `index` of `data` as height x width x 3 bytes: from memory, else from its file; None (warned of) if it
-    cannot be read."""
+    """Image `index` of `data` as height x width x 3 bytes, from memory or its file; None if unreadable."""
     image = data.decoded[index]
     if image is not None:
         return image.permute(1, 2, 0)
@@ -103,11 +80,9 @@ def decoded_pixels(data, index: int) -> torch.Tensor | None:
 
 
 class TrainingBatches:
-    """The training batches of `batch_sampler` (a SeededBatchSampler: lists of (index, seed)) of `dataset` (a
-    SeededSamples), made on `device` from its images held there (HeldImages: `held`, or all of them, held now) by
-    its own crop and flip (its transform's RandomResizedCrop and RandomHorizontalFlip, as they would draw), square
-    at the crop's size: on a GPU normalised, in `memory_format`; on the CPU 8-bit, as the loader's. Batches are
-    (images on the device, labels in host memory)."""
+    """The training batches of `batch_sampler` (a SeededBatchSampler) made on `device` from `dataset`'s images
+    held there (`held`, or all of them, held now), cropped and flipped as its transform would: on a GPU normalised,
+    in `memory_format`; on the CPU 8-bit, as the loader's. Batches are (images on the device, labels on the host)."""
 
     def __init__(self, dataset, batch_sampler, device, memory_format=torch.contiguous_format, held=None):
         self.dataset, self.batch_sampler, self.memory_format = dataset, batch_sampler, memory_format
@@ -131,8 +106,8 @@ class TrainingBatches:
             start += len(batch)
 
     def plan(self, index: np.ndarray, seeds: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each image's row (index, top, left, height, width, flip) on the device, its box and flip drawn from its
-        seed, and the labels in host memory: for a whole epoch at once, so that it is one copy to the device."""
+        """Each image's row (index, top, left, height, width, flip) on the device and the labels on the host, for a
+        whole epoch at once: one copy to the device."""
         sizes = self.held.sizes[index]
         boxes, flips = draw(self.crop, self.flip, seeds, sizes[:, 0], sizes[:, 1])
         plan = torch.from_numpy(np.concatenate([index[:, None], boxes, flips[:, None]], axis=1))
@@ -148,16 +123,14 @@ class TrainingBatches:
         return self.crops(plan), labels
 
     def crops(self, rows: torch.Tensor) -> torch.Tensor:
-        """The batch of `rows` (index, top, left, height, width, flip; on the device): normalised on a GPU, 8-bit
-        on the CPU (the loader's pixels, which the loop normalises as it does the loader's)."""
+        """The batch of `rows`: normalised on a GPU; 8-bit on the CPU, which the loop normalises as the loader's."""
         pixels = resized_crops(self.held.pixels, self.held.taps, rows, self.size)
-        # 8-bit crops (the CPU's) go to the loop as the loader's batches do, normalised there as theirs are
         return pixels if pixels.dtype == torch.uint8 else normalise_pixels(pixels, self.memory_format)
 
 
 def crop_and_flip(transform: v2.Compose) -> tuple[v2.RandomResizedCrop, v2.RandomHorizontalFlip]:
-    """The RandomResizedCrop and RandomHorizontalFlip of a training transform that has nothing else random
-    (dataset/transforms.py's train_transform without --auto-augment or --random-erase); ValueError otherwise."""
+    """The RandomResizedCrop and RandomHorizontalFlip of a training transform with nothing else random (without
+    --auto-augment or --random-erase); ValueError otherwise."""
     steps = [step for step in transform.transforms if not isinstance(step, v2.ToImage)]
     if (
         len(steps) != 2
@@ -169,15 +142,10 @@ def crop_and_flip(transform: v2.Compose) -> tuple[v2.RandomResizedCrop, v2.Rando
 
 
 def resized_crops(pixels, taps: int, rows: torch.Tensor, size: int) -> torch.Tensor:
-    """The images of `pixels` (HeldImages.pixels, padded by `taps`) that `rows` name, (index, top, left, height,
-    width, flip) each, their boxes resized to `size` x `size` with antialiasing and flipped left to right where
-    flip is 1: (images, 3, size, size). The way measured fastest on each kind of device (docs/performance.md,
-    Batches made on the device):
-
-    - on the CPU, torchvision's resized_crop on each image's 8-bit pixels, the loader's own call: 8-bit crops,
-      the loader's bitwise, which the loop normalises as it normalises the loader's;
-    - elsewhere (a GPU), resampled_by_matrices: a few operations for the whole batch, where one call an image
-      would be hundreds of kernels launched by the host."""
+    """The boxes `rows` name, (index, top, left, height, width, flip) each, of the held `pixels`, resized to `size`
+    x `size` with antialiasing and flipped where flip is 1, the way measured fastest (docs/performance.md, Batches
+    made on the device): on the CPU, the loader's own resized_crop per image (its 8-bit crops, bitwise); on a GPU,
+    resampled_by_matrices, a few operations for the whole batch rather than hundreds of kernels."""
     if pixels.device.type != "cpu":
         return resampled_by_matrices(pixels, taps, rows, size)
     crops = []
@@ -188,13 +156,9 @@ def resized_crops(pixels, taps: int, rows: torch.Tensor, size: int) -> torch.Ten
 
 
 def resampled_by_matrices(pixels, taps: int, rows: torch.Tensor, size: int) -> torch.Tensor:
-    """resized_crops as a GPU makes them: each box resized as torch's interpolate(mode="bilinear",
-    antialias=True) resizes the cropped image (torchvision's resized_crop), to within rounding of its 8-bit
-    result, pixel values 0-255 in float16 on a GPU (float32 elsewhere).
-
-    Separable, as interpolate's antialiased filter is: the rows first (a matrix of weights per image, size x
-    padded height, times the image), then the columns; two batched matrix products, whose weights are zero outside
-    each image's box."""
+    """resized_crops on a GPU: each box resized as interpolate(mode="bilinear", antialias=True) would, to within
+    rounding of its 8-bit result, as values 0-255 in float16 (float32 off a GPU). Separable, as that filter is: the
+    rows, then the columns, each a batched matrix product whose weights are zero outside the box."""
     dtype = torch.float16 if pixels.device.type == "cuda" else torch.float32
     index, top, left, height, width, flipped = rows.unbind(1)
     batch, padded_height, padded_width = len(index), pixels.shape[1], pixels.shape[2]
@@ -208,12 +172,10 @@ def resampled_by_matrices(pixels, taps: int, rows: torch.Tensor, size: int) -> t
 
 
 def resampling_weights(start, length, size: int, padded: int, taps: int, flipped, dtype) -> torch.Tensor:
-    """(len(start), size, padded): for each image, output pixel i's weights over its input pixels, those of the
-    span start .. start + length - 1 (a row's or column's part of the box), as interpolate's antialiased bilinear
-    filter weighs them (aten's _compute_indices_min_size_weights_aa): a triangle as wide as the downscaling factor
-    (at least 1) around the input position of i's centre, normalised to sum to 1. Flipped images take their
-    outputs in reverse. Computed on the device for the `taps` input pixels from the first that can weigh (aten's
-    xmin), then placed in a matrix of zeros (the padding leaves room for the last tap of the last pixel)."""
+    """(len(start), size, padded): each image's weights of output pixel i over the input pixels of its span
+    start .. start + length - 1, as aten's _compute_indices_min_size_weights_aa weighs them (a triangle as wide as
+    the downscaling factor, at least 1, around i's centre, summing to 1); flipped images' outputs in reverse.
+    Computed for the `taps` inputs from the first that can weigh, then placed in a matrix of zeros."""
     device = start.device
     scale = length.double() / size  # input pixels per output pixel
     support = torch.clamp(scale, min=1.0)  # the filter's half-width, in input pixels
@@ -234,10 +196,9 @@ def resampling_weights(start, length, size: int, padded: int, taps: int, flipped
 
 
 class ValidationBatches:
-    """The validation batches of process's shard `indices` of `dataset` (a MyDataSet with the validation
-    transform), `batch_size` a batch, in that order: each image transformed once, at the start (by `workers`
-    threads), and kept on `device` as 8-bit pixels; a batch is a slice, (images, labels in host memory). An image
-    that cannot be read is black and labelled SKIPPED, as MyDataSet gives it."""
+    """The validation batches of this process's `indices` of `dataset`: each image transformed once, at the start
+    (by `workers` threads), and kept on `device` as 8-bit pixels; a batch is a slice (images, labels on the
+    host)."""
 
     def __init__(self, dataset, indices, batch_size: int, device: torch.device, workers: int | None = None):
         self.dataset, self.indices, self.batch_size = dataset, list(indices), batch_size

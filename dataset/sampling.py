@@ -8,25 +8,18 @@ from torch.utils.data import Sampler
 
 
 class SeededBatchSampler(Sampler):
-    """Wraps a batch sampler: each index goes out as (index, seed), the seed a function of (seed, epoch, index).
-
-    `set_epoch` is passed on to the wrapped sampler (a DistributedSampler), which reshuffles by epoch. `start_at`
-    makes the next pass begin part way through the epoch, where a run stopped at a step resumes.
-    """
+    """Wraps a batch sampler (of a DistributedSampler, reshuffled by set_epoch): each index goes out as (index,
+    seed), the seed a function of (seed, epoch, index)."""
 
     def __init__(self, batch_sampler, seed: int):
-        self.batch_sampler = batch_sampler
-        self.seed = seed
-        self.epoch = 0
-        self.start = 0
+        self.batch_sampler, self.seed, self.epoch, self.start = batch_sampler, seed, 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.batch_sampler.sampler.set_epoch(epoch)
 
     def start_at(self, batch: int) -> None:
-        """The next pass skips the epoch's first `batch` batches (their images are not loaded); later passes
-        start at 0."""
+        """The next pass skips the epoch's first `batch` batches, where a run stopped at a step resumes."""
         self.start = batch
 
     def __iter__(self):
@@ -44,11 +37,9 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 def sample_seeds(seed: int, epoch: int, indices) -> np.ndarray:
-    """sample_seed(seed, epoch, index) for every index of `indices` (each below 2**32) at once, as uint64: numpy's
-    SeedSequence hash of the key (seed, epoch, index), computed for all the indices together. SeedSequence itself
-    takes 27 us a key (80 ms for an epoch of 3,000 images, the time of a GPU's whole epoch); this, under a
-    microsecond. The key's words are seed's and epoch's, then the index's; the pool of 4 words is mixed from them
-    and hashed out as SeedSequence does (tests/test_on_device.py checks it against sample_seed)."""
+    """sample_seed(seed, epoch, index) for every index of `indices` (each below 2**32) at once, as uint64:
+    SeedSequence's hash vectorised over the indices, as SeedSequence itself takes 27 us a key (80 ms an epoch of
+    3,000 images, a GPU's whole epoch). tests/test_on_device.py checks it against sample_seed."""
     indices = np.asarray(indices, dtype=np.uint64)
     words = [np.full(len(indices), word, dtype=np.uint32) for word in [*uint32_words(seed), *uint32_words(epoch)]]
     words.append(indices.astype(np.uint32))
@@ -73,7 +64,7 @@ SEED_MIX_L, SEED_MIX_R = np.uint32(0xCA01F9DD), np.uint32(0x4973F715)
 
 
 def seed_sequence_hashes(init: int, mult: int):
-    """The hash constants SeedSequence uses in turn: init, then each the one before times mult (mod 2**32)."""
+    """The hash constants SeedSequence uses in turn."""
     constant = init
     while True:
         yield constant
@@ -81,8 +72,7 @@ def seed_sequence_hashes(init: int, mult: int):
 
 
 def seed_hash(values: np.ndarray, constant: int, multiply_first: bool = True) -> np.ndarray:
-    """SeedSequence's hashmix of uint32 `values` with the current hash constant: xor, multiply by the next
-    constant (the one after `constant`, which is what hashmix multiplies by after its update), xor-shift."""
+    """SeedSequence's hashmix of uint32 `values` with hash constant `constant` (it multiplies by the next one)."""
     mult = SEED_MULT_A if multiply_first else SEED_MULT_B
     values = values ^ np.uint32(constant)
     values = values * np.uint32(constant * mult % 2**32)
@@ -104,12 +94,12 @@ def uint32_words(value: int) -> list[int]:
 
 
 def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
-    """A 63-bit seed for what training step `step` of `epoch` draws on process `rank` (dropout's masks, ...),
-    unrelated to every sample's (its key ends in 1: a sample's is as if padded with zeros)."""
+    """A 63-bit seed for what step `step` of `epoch` draws on process `rank` (dropout's masks), unrelated to every
+    sample's (its key ends in 1: a sample's is as if padded with zeros)."""
     return seed_of(seed, epoch, step, rank, 1)
 
 
 def seed_of(*key: int) -> int:
-    """A 63-bit seed of its own for each `key`: keys that differ other than by trailing zeros give unrelated
-    streams (numpy's SeedSequence pads a shorter key with zeros)."""
+    """A 63-bit seed for `key`: keys that differ other than by trailing zeros (SeedSequence pads with them) give
+    unrelated streams."""
     return int(np.random.SeedSequence(list(key)).generate_state(1, dtype=np.uint64)[0] >> 1)

@@ -1,6 +1,5 @@
-"""The transform presets: random crop and flip (and, if asked, more augmentation) for training, resize and centre
-crop for validation, on 8-bit images; and the ImageNet normalisation the network takes them in, done on the
-device."""
+"""The transform presets, on 8-bit images: random crop and flip (and, if asked, more augmentation) for training,
+resize and centre crop for validation; and the ImageNet normalisation, done on the device."""
 
 import functools
 import math
@@ -9,24 +8,15 @@ import torch
 from torchvision.transforms import v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
-
-
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
 MEAN_PIXEL = [round(255 * mean) for mean in IMAGENET_MEAN]  # the mean colour in 8 bits: what erasing fills with
-
-
-# Validation resizes to img_size * 256/224 (256 for 224) and takes the centre img_size, as for ImageNet.
-RESIZE_RATIO = 256 / 224
-
-
+RESIZE_RATIO = 256 / 224  # validation resizes to 256 for a centre crop of 224, as for ImageNet
 AUTO_AUGMENT = {"trivialaugment": v2.TrivialAugmentWide, "randaugment": v2.RandAugment}  # --auto-augment's choices
 
 
 class Preset(v2.Compose):
-    """A transform, and the shortest image side it needs for its output to keep full resolution (`min_side`):
-    MyDataSet decodes large JPEGs at reduced scale down to that side, see load_rgb."""
+    """A transform, and the shortest image side it needs to keep full resolution (`min_side`): MyDataSet decodes
+    large JPEGs at reduced scale down to that side (load_rgb)."""
 
     def __init__(self, transforms: list, min_side: int):
         super().__init__(transforms)
@@ -34,17 +24,13 @@ class Preset(v2.Compose):
 
 
 def train_transform(img_size: int, auto_augment: str = "none", random_erase: float = 0.0) -> Preset:
-    """Random crop and flip, as for ImageNet training; then, if asked, TrivialAugmentWide or RandAugment (one or
-    two random changes of colour, contrast, geometry ... per image), and random erasing of a rectangle.
-
-    The image stays 8-bit throughout: cropping, resizing and flipping 8-bit pixels is cheaper than on PIL images
-    or floats (docs/performance.md, What each change bought), and the crop travels to the device in a quarter
-    of float32's bytes, to be normalised there (normalise, called by Compute.batch_to). Erasing fills with the
-    mean colour (MEAN_PIXEL), about 0 once normalised.
-    """
+    """Random crop and flip, as for ImageNet training; then, if asked, TrivialAugmentWide or RandAugment, and
+    random erasing (with MEAN_PIXEL, about 0 once normalised). 8-bit throughout: cheaper to crop than PIL images or
+    floats (docs/performance.md, What each change bought), a quarter of float32's bytes to the device, normalised
+    there."""
     crop = v2.RandomResizedCrop(img_size, antialias=True)
-    # The smallest crop RandomResizedCrop takes (its smallest area fraction, at its most elongated aspect) spans
-    # sqrt(scale * aspect) of the image's shorter side, and should still hold img_size pixels.
+    # The smallest crop (smallest area, most elongated aspect) spans sqrt(scale * aspect) of the shorter side, and
+    # should still hold img_size pixels.
     narrowest = min(crop.ratio[0], 1 / crop.ratio[1])
     min_side = math.ceil(img_size / math.sqrt(crop.scale[0] * narrowest))
     augment = [AUTO_AUGMENT[auto_augment]()] if auto_augment != "none" else []
@@ -54,20 +40,15 @@ def train_transform(img_size: int, auto_augment: str = "none", random_erase: flo
 
 
 def val_transform(img_size: int) -> Preset:
-    """Resize to img_size * RESIZE_RATIO and take the centre img_size, as for ImageNet validation (8-bit, as
-    train_transform's)."""
+    """Resize to img_size * RESIZE_RATIO and take the centre img_size, as for ImageNet validation (8-bit)."""
     resize = round(img_size * RESIZE_RATIO)
     return Preset([v2.ToImage(), v2.Resize(resize, antialias=True), v2.CenterCrop(img_size)], resize)
 
 
 def normalise(images: torch.Tensor) -> torch.Tensor:
-    """Images as the network takes them (one, or a batch; on any device): 8-bit ones, as the transforms above
-    leave them, become float32 from 0 to 1, less the ImageNet mean, over its standard deviation; any other type
-    is taken to be the network's input already (normalised by an earlier call) and returned as it is.
-
-    One fused pass, pixel * scale + shift per channel, in the images' memory layout; the two per-channel
-    constants are made on each device once (normalising_constants), not copied there with every batch: such a
-    copy would make the host wait for the device each step."""
+    """8-bit images (one, or a batch) normalised by the ImageNet mean and deviation into float32; any other type
+    is taken to be normalised already. One fused pass with constants made on each device once: copying them with
+    every batch would make the host wait for the device each step."""
     if images.dtype != torch.uint8:
         return images
     scale, shift = normalising_constants(images.device)
@@ -75,8 +56,8 @@ def normalise(images: torch.Tensor) -> torch.Tensor:
 
 
 def normalise_pixels(pixels: torch.Tensor, memory_format=torch.contiguous_format) -> torch.Tensor:
-    """A batch of pixel values 0-255 of any type (8-bit, or resampled in floating point: dataset/on_device.py) as
-    the network takes them, normalised as `normalise` does, into float32 in `memory_format`."""
+    """A batch of pixel values 0-255 of any type (dataset/on_device.py's floats too) normalised as by `normalise`,
+    into float32 in `memory_format`."""
     scale, shift = normalising_constants(pixels.device)
     out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device, memory_format=memory_format)
     return torch.addcmul(shift, pixels, scale, out=out)
@@ -84,7 +65,7 @@ def normalise_pixels(pixels: torch.Tensor, memory_format=torch.contiguous_format
 
 @functools.cache
 def normalising_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, shift), each of shape (3, 1, 1) on `device`: (pixel / 255 - mean) / std as pixel * scale + shift."""
+    """(scale, shift) of shape (3, 1, 1) on `device`: (pixel / 255 - mean) / std as pixel * scale + shift."""
     scale = [1 / (255 * std) for std in IMAGENET_STD]
     shift = [-mean / std for mean, std in zip(IMAGENET_MEAN, IMAGENET_STD, strict=True)]
     return torch.tensor(scale, device=device).view(3, 1, 1), torch.tensor(shift, device=device).view(3, 1, 1)

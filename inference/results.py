@@ -1,11 +1,6 @@
 """The results file of predict.py and evaluate.py: one row per image, in the order of the images, as CSV or JSON
-Lines (the file's name says which).
-
-A row holds the image's path, its true class where it is known (evaluate.py's images; empty for predict.py's), its
-top-k classes, likeliest first, with their probabilities, and, for an image that could not be read, why (its
-classes then empty). The rows stream into a temporary file beside the results file as they are scored, and that
-file is renamed over it at the end (utils.atomic_file): memory holds one batch of rows however many images there
-are, and a run stopped midway leaves the whole file or none.
+Lines (the file's name says which; docs/trained-models.md has the columns). The rows stream into the file as they are
+scored (memory holds one batch of them), and it appears whole at the end or not at all (utils.atomic_file).
 """
 
 import argparse
@@ -21,13 +16,12 @@ from pathlib import Path
 from utils import NAMES, STOP_SIGNALS, atomic_file, check_new_file, positive_int
 
 FORMATS = (".csv", ".jsonl")
-DECIMALS = 6  # of each probability: 1e-6 is far below any difference between two classes worth reading
+DECIMALS = 6  # of each probability: far below any difference between two classes worth reading
 
 
 @dataclass
 class Row:
-    """One image's line of the results: its top classes, likeliest first, as (name, probability), or, if it could
-    not be read, why (`unreadable`, and no classes)."""
+    """One image's line: its top (name, probability), likeliest first, or, if it could not be read, why."""
 
     path: str
     true_class: str | None
@@ -42,7 +36,6 @@ class Row:
 
 
 def results_path(text: str) -> Path:
-    """An argparse type: a results file whose name ends in .csv or .jsonl."""
     path = Path(text)
     if path.suffix.lower() not in FORMATS:
         raise argparse.ArgumentTypeError(f"{text}: name a .csv or a .jsonl file (its format follows the name)")
@@ -64,9 +57,7 @@ def add_results_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_results_file(path: Path | None, force: bool) -> None:
-    """UserError, before anything is computed, unless `path` (--results) can be written: not a folder, not an
-    existing file (without --force: nothing is replaced unasked, as export.py's output), in a folder that can be
-    made or written to."""
+    """UserError, before anything is computed, unless --results can be written (check_new_file)."""
     if path is not None:
         check_new_file(path, "--results", force)
 
@@ -107,9 +98,8 @@ class NoResults:
 
 @contextlib.contextmanager
 def results_file(path: Path | None, topk: int, enabled: bool = True):
-    """A ResultsWriter for `path` (--results), written atomically: the file appears when the block ends without
-    an exception, and a stop signal unwinds the block as an exception does. Without a path, or not `enabled` (a
-    process that is not rank 0), a writer that writes nothing."""
+    """A ResultsWriter for --results, whose file appears when the block ends without an exception or a stop signal;
+    without a path, or not `enabled` (not rank 0), NoResults."""
     if path is None or not enabled:
         yield NoResults()
         return
@@ -119,9 +109,8 @@ def results_file(path: Path | None, topk: int, enabled: bool = True):
 
 @contextlib.contextmanager
 def unwinding_on_stop_signals():
-    """Inside, a stop signal (SIGTERM, SIGUSR1: a preemption, a time limit, torchrun or spawn stopping a job)
-    ends the process with SystemExit(128 + the signal) where it is, instead of on the spot: the blocks it is in
-    unwind, so that a results file being written is removed, not left half written (utils.atomic_file)."""
+    """Inside, a stop signal (SIGTERM, SIGUSR1) raises SystemExit(128 + the signal) instead of ending the process on
+    the spot: the blocks unwind, and a results file being written is removed, not left half written."""
     if threading.current_thread() is not threading.main_thread():  # Python runs handlers in the main thread alone
         yield
         return
@@ -136,8 +125,7 @@ def unwinding_on_stop_signals():
 
 
 def read_results(path: Path) -> list[dict]:
-    """The rows of a results file, CSV or JSON Lines, each as JSON Lines writes it: {"path", "true_class",
-    "classes", "probabilities", "unreadable"} (None where a CSV cell is empty)."""
+    """The rows of a results file, CSV or JSON Lines, each as JSON Lines writes it (None where a CSV cell is empty)."""
     with open(path, encoding="utf-8", errors=NAMES, newline="") as file:
         if path.suffix.lower() == ".jsonl":
             return [json.loads(line) for line in file]

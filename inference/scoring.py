@@ -1,8 +1,6 @@
 """Scoring images with a trained model in every process of a job, as predict.py and evaluate.py do: each process
-scores its shard of the images (val_shard: images rank, rank + world size, ...), and rank 0 gathers each batch from
-all of them in the order of the images, so that it sees every image once, in input order, whatever the world size.
-
-Started with plain python, a tool forms no process group and scores every image itself, as it always has.
+scores its shard (val_shard), and rank 0 gathers each batch from all of them in the order of the images, so that it
+sees every image once, in input order, whatever the world size.
 """
 
 import argparse
@@ -30,7 +28,6 @@ UNKNOWN = -1  # the label of an image whose true class is not known (predict.py'
 
 
 def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of predict.py and evaluate.py alike that say how the images are scored."""
     parser.add_argument(
         "--tta",
         action="store_true",
@@ -45,17 +42,15 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def join_group(device: str | None, rank: int | None = None, world_size: int | None = None) -> Process:
-    """This process's place in the job. Spawn passes `rank` and `world_size`; torchrun sets them in the
-    environment: either way, the process joins the group (init_distributed_mode). A process started alone with
-    plain python forms no group: one process has no one to gather from, and no backend serves a Mac's GPU."""
+    """This process's place in the job: spawn passes `rank` and `world_size`, torchrun sets them in the environment.
+    Started alone with plain python it forms no group: no one to gather from, and no backend serves a Mac's GPU."""
     if rank is None and launcher_environment() is None:
         return single_process(device)
     return init_distributed_mode(device, rank=rank, world_size=world_size)
 
 
 def spawned_world_size(requested: int, device: str | None) -> int:
-    """--world-size: how many processes spawn starts, checked against the GPUs (spawn_world_size); refused under
-    torchrun, which has started the processes already."""
+    """--world-size, checked against the GPUs (spawn_world_size); refused under torchrun, which started them."""
     if launcher_environment() is not None:
         raise UserError("--world-size starts processes with spawn; under torchrun, --nproc_per_node says how many")
     return spawn_world_size(requested, device)
@@ -63,9 +58,8 @@ def spawned_world_size(requested: int, device: str | None) -> int:
 
 @dataclass
 class ScoredBatch:
-    """Consecutive images, scored: the position of the first among all the images, each one's class
-    probabilities (float32, on the host), and whether each could be read (an unreadable one was scored as a
-    blank image: its probabilities mean nothing)."""
+    """Consecutive images from position `start`: their class probabilities (float32, on the host), and whether each
+    could be read (an unreadable one was scored as a blank image)."""
 
     start: int
     probabilities: torch.Tensor
@@ -75,20 +69,12 @@ class ScoredBatch:
 def scored_batches(
     trained: TrainedModel, loader, count: int, world_size: int, tta=False, tally: Tally | None = None, progress=None
 ):
-    """The class probabilities of all `count` images, batch after batch in the order of the images (ScoredBatch),
-    on rank 0; the other processes score their shards for it and yield nothing.
-
-    `loader` gives this process's shard (val_shard) in batches of B. At each step every process scores its next
-    batch (an empty one past its last: shards differ by an image at most, and one can be empty) and rank 0
-    gathers them. Row j of rank r's batch k is image N (kB + j) + r, with N the world size: so the gathered rows,
-    taken j by j and rank by rank within each j, are images kNB, kNB + 1, ... in order, and the padding that
-    evens out the last batches comes after the last image, where it is cut off. With `tally`
-    (bookkeeping.Tally), this process's batches are counted in it too, as evaluate() counts them. `progress`:
-    the description of a progress bar, on rank 0.
-
-    A gathered batch travels to the host while the next one computes, and is yielded then: on a GPU the host
-    never waits for the batch it has just queued.
-    """
+    """On rank 0, the ScoredBatch of all `count` images, in their order; the other ranks score their shards for it
+    and yield nothing. `loader` gives this process's shard (val_shard) in batches of B: row j of rank r's batch k is
+    image N (kB + j) + r for world size N, so the rows gathered j by j, rank by rank, are in order, and the padding
+    of the last batches falls after the last image (docs/trained-models.md); a process past its shard's end scores
+    an empty batch. With `tally`, this process's batches are counted in it too. A gathered batch travels to the host
+    while the next one computes: on a GPU the host never waits for the batch it has just queued."""
     device, batch_size = trained.device, loader.batch_size
     steps = math.ceil(math.ceil(count / world_size) / batch_size)  # rank 0's batches: its shard is the longest
     batches, on_the_way = iter(loader), None
@@ -114,8 +100,8 @@ def scored_batches(
 
 
 def log_probabilities(trained: TrainedModel, images: torch.Tensor, tta: bool) -> torch.Tensor:
-    """A batch's class log-probabilities (float32, on the device), computed in the run's precision and memory
-    layout; with `tta`, those of the mean of the probabilities of each image and its mirror image."""
+    """A batch's class log-probabilities (float32, on the device) in the run's precision and layout; with `tta`,
+    those of the mean of each image's and its mirror image's probabilities."""
     choice, device, model = trained.choice, trained.device, trained.model
     batch = choice.batch_to(images, device)  # 8-bit on the way, normalised on the device
     with choice.autocast(device):
@@ -128,9 +114,8 @@ def log_probabilities(trained: TrainedModel, images: torch.Tensor, tta: bool) ->
 
 
 def gathered_in_order(probabilities: torch.Tensor, readable: torch.Tensor, batch_size: int, world_size: int):
-    """On rank 0, every process's batch (`probabilities` of its images, and whether each was `readable`) as rows of
-    [probabilities, readable], world_size * batch_size of them, in the order of the images (see scored_batches);
-    None on the other ranks. Each batch is padded to batch_size rows: gather takes tensors of one size."""
+    """On rank 0, every process's batch as rows of [probabilities, readable] in the order of the images
+    (scored_batches); None on the other ranks. Each is padded to batch_size rows: gather takes one size."""
     payload = torch.zeros(batch_size, probabilities.shape[1] + 1, device=probabilities.device)
     payload[: len(probabilities), :-1] = probabilities
     payload[: len(probabilities), -1] = readable
@@ -142,15 +127,13 @@ def gathered_in_order(probabilities: torch.Tensor, readable: torch.Tensor, batch
 
 
 def scored(start: int, on_the_way: ToHost) -> ScoredBatch:
-    """The ScoredBatch of gathered rows ([probabilities, readable], on their way to the host) whose first is image
-    `start`, once they have arrived."""
+    """The ScoredBatch of gathered rows on their way to the host, once they have arrived."""
     rows = on_the_way.arrived()
     return ScoredBatch(start, rows[:, :-1], rows[:, -1].bool().tolist())
 
 
 def rows_of(batch: ScoredBatch, images: list, labels: list[int], classes: list[str], topk: int) -> list[Row]:
-    """The results rows of a scored batch: each image's path, its true class (none where its label is UNKNOWN),
-    its `topk` likeliest classes; for an image that could not be read, why (decoded again here, on rank 0: the
+    """The results rows of a scored batch; an unreadable image is decoded again here, on rank 0, to say why (the
     process whose shard it was only marked it)."""
     top = batch.probabilities.topk(topk, dim=1)
     rows = []

@@ -1,8 +1,5 @@
-"""Loading a trained run's model for inference, as predict.py and evaluate.py do.
-
-A run folder holds what inference needs besides the weights: class_indices.json (the class names) and args.json
-(the image size, batch size, precision and data split the run used). Given any weights file of a run, both are found
-beside it or one folder up; a checkpoint.pth carries them itself.
+"""Loading a trained run's model for inference, as predict.py and evaluate.py do: its weights, and its
+class_indices.json and args.json found beside them or one folder up (a checkpoint.pth carries them itself).
 """
 
 import argparse
@@ -33,7 +30,7 @@ class TrainedModel:
     device: torch.device
     choice: Choice  # the run's precision and memory layout (--amp, --channels-last)
     classes: list[str]
-    run: Config  # the run's configuration (args.json or the checkpoint's "args"; the defaults when neither is found)
+    run: Config  # args.json or the checkpoint's "args"; the defaults when neither is found
     run_folder: Path
 
     def setting(self, name: str, given):
@@ -42,7 +39,7 @@ class TrainedModel:
 
 
 def run_folder(weights: Path) -> Path:
-    """The run folder: the one that holds weights/ for best.pth, last.pth ..., else the weights' own folder."""
+    """The folder that holds weights/ for best.pth, last.pth ..., else the weights' own folder."""
     return weights.parent.parent if weights.parent.name == "weights" else weights.parent
 
 
@@ -61,19 +58,14 @@ def class_names(indices, path: Path) -> list[str]:
 def load_trained_model(
     weights: Path, class_indices: Path | None, device: torch.device, architecture: str | None = None
 ) -> TrainedModel:
-    """The network of a weights file (best.pth, last.pth, model-N.pth or a run's checkpoint.pth) with its class
-    names.
-
-    Class names come from `class_indices` if given, else from the run's class_indices.json, else from the
-    checkpoint's "classes"; the run's flags from its args.json, else from the checkpoint's "args". The weights must
-    fit exactly: `architecture` if given, else the run's --model (ResNet-34 for runs that do not say), with one
-    output per class name.
-    """
+    """The network of a weights file (best.pth, last.pth, model-N.pth or checkpoint.pth) with its class names
+    (`class_indices`, else the run's, else the checkpoint's). The weights must fit `architecture` (default: the
+    run's --model) exactly, with one output per class name."""
     state_dict = read_state_dict(weights)
     indices_file = class_indices or run_file(weights, "class_indices.json")
     args_file = run_file(weights, "args.json")
     checkpoint = {}
-    if indices_file is None or args_file is None:  # read the file again only when needed: a checkpoint is large
+    if indices_file is None or args_file is None:  # read again only when needed: a checkpoint is large
         data = safe_load(weights, "weights file")
         checkpoint = data if isinstance(data, dict) and "model" in data else {}
 
@@ -118,7 +110,6 @@ def load_trained_model(
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of predict.py and evaluate.py alike: which weights, their class names, how to run them."""
     parser.add_argument(
         "--weights",
         type=Path,
@@ -142,7 +133,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_run_overrides(parser: argparse.ArgumentParser) -> None:
-    """The flags that override what a run's files say: its network, its class names and its image size."""
+    """The flags that override what a run's files say."""
     parser.add_argument(
         "--model",
         help="the network the weights are for, torchvision's name or timm/NAME (default: the run's, else resnet34)",
@@ -163,10 +154,8 @@ def image_loader(
     trained: TrainedModel, images: list, labels: list, shard=None, processes_here: int = 1, *,
     img_size: int | None = None, batch_size: int | None = None, workers: int | None = None,
 ) -> DataLoader:  # fmt: skip
-    """Batches of (images as the run validated them: resized and centre-cropped, labels), in the given order;
-    with `shard` (val_shard's positions), those of its images alone, for one of `processes_here` processes
-    sharing this machine's cores. `img_size`, `batch_size`, `workers`: the tool's flags (None: the run's, and as
-    many workers as a training process has)."""
+    """Batches of (images as the run validated them, labels) in the given order, or of `shard`'s alone, for one of
+    `processes_here` processes sharing the cores; the flags given override the run's (None: the run's)."""
     img_size = trained.setting("img_size", img_size)
     batch_size = trained.setting("batch_size", batch_size)
     workers = use_cores(trained.device, processes_here, batch_size, workers)  # as a training process has

@@ -35,7 +35,8 @@ CHECKPOINT_SHAPE = {
 def save_atomically(obj, path) -> None:
     """torch.save to `path`; readers (and crashes) see either the old file or the complete new one. If it cannot
     be written (a full disk, ...), OutputError, with `path` untouched."""
-    write_atomically(path, lambda f: torch.save(obj, f), binary=True, size=tensor_bytes(obj))
+    size = tensor_bytes(obj)
+    write_atomically(path, lambda f: torch.save(obj, f), binary=True, size=size)
 
 
 def tensor_bytes(obj) -> int:

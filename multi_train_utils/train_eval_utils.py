@@ -4,7 +4,7 @@ and how they compute (Choice), as auto chose it."""
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,8 +22,8 @@ AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --a
 class Choice:
     """How a run trains where the flags leave it to auto (autotune/choose.py decides it once, for every rank): the
     autocast precision (--amp: "off" is float32), the memory layout, the most images a forward and backward pass
-    takes (None: the whole batch), where the training batches are made ("device" or "loader"), and the loader
-    workers and compute threads of each process (None: torch's)."""
+    takes (None: the whole batch), where the training batches are made ("device" or "loader"), the loader workers
+    and compute threads of each process (None: torch's), and the lines saying why."""
 
     amp: str = "off"
     channels_last: bool = False
@@ -31,6 +31,7 @@ class Choice:
     batches: str = "loader"
     workers: int = 0
     threads: int | None = None
+    lines: tuple[str, ...] = field(default=(), compare=False)  # what the run prints about it
 
     @property
     def amp_dtype(self) -> torch.dtype | None:

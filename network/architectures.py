@@ -1,4 +1,4 @@
-"""The architectures: torchvision's classification models and timm's (`timm/NAME`), built by name, with what their
+"""The architectures: torchvision's classification models and timm's (`timm/NAME`), built by name, and what their
 structure says (the classifier head, the layers that draw at random or keep batch statistics)."""
 
 import difflib
@@ -12,11 +12,9 @@ from torchvision.models import get_model, list_models
 
 from utils import UserError
 
-# Prefixes that wrappers add to parameter names: DataParallel/DDP ("module.") and torch.compile ("_orig_mod.").
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # added to parameter names by DataParallel/DDP and torch.compile
 DEFAULT_MODEL = "resnet34"
-# The models with a second, auxiliary classifier, whose training-mode output is a tuple: built without it here
-# (its ImageNet tensors are then ignored when loading).
+# Models with an auxiliary classifier (a tuple out in training) are built without it; its ImageNet tensors ignored.
 BUILD_OPTIONS = {name: {"aux_logits": False, "init_weights": True} for name in ("googlenet", "inception_v3")}
 
 IMAGENET = "imagenet"  # `--weights imagenet`: the model's pretrained weights (torchvision's ImageNet-1K, timm's own)
@@ -24,7 +22,7 @@ TIMM = "timm/"  # `--model timm/NAME`: timm's model NAME (as Hugging Face names 
 
 
 def model_names() -> list[str]:
-    """torchvision's classification models (alexnet ... wide_resnet101_2), the choices of --model."""
+    """torchvision's classification models, the choices of --model."""
     return list_models(module=torchvision.models)
 
 
@@ -33,8 +31,8 @@ def is_timm(name: str) -> bool:
 
 
 def unknown_model(name: str) -> str | None:
-    """Why `name` names no model we can build, in a few words (None: it names one): a torchvision classification
-    model, or timm/ and one of timm's (timm.list_models(), with a pretrained tag if any: timm/resnet50.a1_in1k)."""
+    """Why `name` names no model we can build (None: it names one): a torchvision classification model, or timm/
+    and one of timm's, with a pretrained tag if any (timm/resnet50.a1_in1k)."""
     if name in model_names():
         return None
     if not is_timm(name):
@@ -73,9 +71,8 @@ def create_model(num_classes: int, name: str = DEFAULT_MODEL) -> nn.Module:
 
 
 def model_skeleton(name: str, num_classes: int = 2) -> nn.Module:
-    """The model `name` without memory: its tensors on the meta device, neither allocated nor initialised, for
-    what its structure says. (RegNet's constructor computes with tensors, which the meta device does not: it is
-    built on the CPU.)"""
+    """The model `name` with its tensors on the meta device (no memory), for what its structure says; on the CPU
+    where the constructor computes with tensors (RegNet's)."""
     try:
         with torch.device("meta"):
             return create_model(num_classes, name)
@@ -85,33 +82,28 @@ def model_skeleton(name: str, num_classes: int = 2) -> nn.Module:
 
 @functools.cache
 def head_names(name: str = DEFAULT_MODEL) -> frozenset[str]:
-    """The names of the model's classifier tensors: those whose shape depends on the number of classes.
-
-    Found by building the model (without memory: model_skeleton) for two class counts and comparing.
-    """
+    """The names of the model's classifier tensors: those whose shape changes with the number of classes."""
     two, three = (model_skeleton(name, classes).state_dict() for classes in (2, 3))
     return frozenset(key for key, tensor in two.items() if tensor.shape != three[key].shape)
 
 
 @functools.cache
 def random_draws(name: str = DEFAULT_MODEL) -> tuple[str, ...]:
-    """What the model draws at random in its forward pass while training (its dropout and stochastic depth
-    layers, by class name: torch's and torchvision's keep the rate in `p`, timm's DropPath in `drop_prob`, and
-    timm's models and heads that call dropout as a function in `drop_rate`), found by building it without memory:
-    () for a network whose steps are a function of its weights and batch alone."""
+    """The class names of the model's layers that draw at random while training (dropout and stochastic depth,
+    their rate in `p`, timm's `drop_prob` or `drop_rate`): () for a network whose steps depend on its weights and
+    batch alone."""
     rates = ("p", "drop_prob", "drop_rate")
     return layer_kinds(name, lambda layer: any(getattr(layer, rate, 0) for rate in rates))
 
 
 @functools.cache
 def batch_statistics(name: str = DEFAULT_MODEL) -> tuple[str, ...]:
-    """The model's layers that normalise by the statistics of the images of a forward pass (BatchNorm, timm's
-    BatchNormAct2d, ...), by class name: () for a network whose steps do not depend on how a batch is split."""
+    """The class names of the model's layers that normalise by a batch's statistics (BatchNorm): () for a network
+    whose steps do not depend on how a batch is split."""
     return layer_kinds(name, lambda layer: isinstance(layer, _BatchNorm))
 
 
 def layer_kinds(name: str, which) -> tuple[str, ...]:
-    """The class names of the layers of model `name` for which `which(layer)` is true, built without memory."""
     return tuple(sorted({type(layer).__name__ for layer in model_skeleton(name).modules() if which(layer)}))
 
 

@@ -1,5 +1,5 @@
 """Gradient checkpointing: each block's activations recomputed in the backward pass, for any model whose blocks are
-known (timm's say so themselves), BatchNorm's running statistics updated once."""
+known (timm's say so themselves), BatchNorm's running statistics still updated once a step."""
 
 import types
 
@@ -11,8 +11,6 @@ from torch.utils.checkpoint import checkpoint
 
 from network.architectures import TIMM, is_timm
 from utils import UserError
-
-# --- gradient checkpointing --------------------------------------------------------------------------------------
 
 # torchvision's families whose blocks are known: the nn.Sequential(s) that hold them, one block after another.
 FEATURES = ("AlexNet", "ConvNeXt", "DenseNet", "EfficientNet", "MobileNetV2", "MobileNetV3", "SqueezeNet", "VGG")
@@ -27,20 +25,12 @@ BLOCK_SEQUENCES = {
 
 
 def enable_grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
-    """Make `model` (torchvision's or timm's `name`) keep only each block's input from the forward pass and
-    recompute the block's activations in the backward pass: less memory for one more forward pass of each block.
-
-    torch's non-reentrant checkpoint (use_reentrant=False), which DDP and no_sync take as any backward pass, and
-    which restores the random state for the recomputation (preserve_rng_state), so dropout and stochastic depth
-    draw the same masks again: the gradients are those of the plain model. timm's models checkpoint their own
-    blocks (set_grad_checkpointing); torchvision's have theirs wrapped here, in the sequences BLOCK_SEQUENCES names.
-    Parameter names, and so weights files, stay as they are. UserError where no blocks are known.
-
-    The recomputation would update BatchNorm's running statistics a second time (torch's checkpoint does not
-    know BatchNorm: pytorch/pytorch#96136): they are frozen from the end of each training forward pass until its
-    backward pass has computed every gradient (hooks on `model` and its parameters), so a step updates them once,
-    as without checkpointing.
-    """
+    """Make `model` keep only each block's input and recompute its activations in the backward pass: less memory
+    for one more forward pass. Non-reentrant (DDP and no_sync take it as any backward pass), the random state
+    restored so dropout draws the same masks: the plain model's gradients. timm's models checkpoint their own
+    blocks; torchvision's have those BLOCK_SEQUENCES names wrapped here, parameter names unchanged. UserError where
+    no blocks are known. BatchNorm's running statistics are frozen from each training forward pass to the end of
+    its backward pass, so that the recomputation does not update them again (pytorch/pytorch#96136)."""
     if is_timm(name):
         from timm.layers import set_reentrant_ckpt
 
@@ -67,11 +57,9 @@ def enable_grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
 
 
 def checkpoint_blocks(sequence: nn.Sequential) -> None:
-    """Run `sequence`'s children in checkpointed runs: each child with parameters (a block, or a single layer
-    such as a convolution) starts a run, and the parameterless layers after it (activation, pooling) join it. A
-    child that is itself a plain sequence of blocks (a stage) checkpoints its own blocks instead. A run that
-    would start with an in-place layer, which would change the input kept for its recomputation, is not
-    checkpointed. Its forward is replaced on the instance: the children, and so the parameter names, stay."""
+    """Run `sequence`'s children in checkpointed runs: each child with parameters starts one, the parameterless
+    layers after it (activation, pooling) join it; a stage checkpoints its own blocks instead; a run starting with
+    an in-place layer (which would change the input kept) is not checkpointed. Only the forward is replaced."""
     runs = []  # (checkpointed?, the names of the children it runs)
     for child_name, child in sequence.named_children():
         if is_sequence_of_blocks(child):
@@ -86,7 +74,7 @@ def checkpoint_blocks(sequence: nn.Sequential) -> None:
 
 
 def is_sequence_of_blocks(module: nn.Module) -> bool:
-    """A stage: an nn.Sequential that runs its children in order and whose every child has children itself."""
+    """A stage: a plain nn.Sequential whose every child has children itself."""
     children = list(module.children())
     return (
         isinstance(module, nn.Sequential)
@@ -114,8 +102,8 @@ def run_layers(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 def running_statistics_on(model: nn.Module, *forward_args) -> None:
-    """The BatchNorm layers that running_statistics_off froze update their statistics again, their count of
-    batches as it was at the end of the forward pass (a hook: after the backward pass, before a forward pass)."""
+    """The BatchNorm layers running_statistics_off froze update their statistics again, their count of batches
+    as at the end of the forward pass (after the backward pass, or before the next forward pass)."""
     for layer in model.modules():
         if hasattr(layer, "momentum_while_frozen"):
             layer.momentum = layer.__dict__.pop("momentum_while_frozen")
@@ -124,11 +112,9 @@ def running_statistics_on(model: nn.Module, *forward_args) -> None:
 
 
 def running_statistics_off(model: nn.Module, args, output) -> None:
-    """Forward hook: after a training forward pass, each BatchNorm layer keeps its running statistics as they are
-    (momentum 0: an update leaves them; its count of batches, kept aside, is put back after) until the backward
-    pass has computed every gradient, its recomputations done: then running_statistics_on, before anything reads
-    them (the EMA, a checkpoint). (Not track_running_stats=False: BatchNorm would then save other tensors for its
-    backward pass than in the forward pass, which the checkpoint refuses.)"""
+    """After a training forward pass, each BatchNorm layer keeps its running statistics (momentum 0, its count of
+    batches kept aside) until the backward pass has computed every gradient. (Not track_running_stats=False:
+    BatchNorm would then save other tensors for its backward pass, which the checkpoint refuses.)"""
     if not (model.training and torch.is_grad_enabled()):
         return
     for layer in model.modules():

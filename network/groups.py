@@ -21,13 +21,9 @@ NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalRes
 
 
 def layer_scales(model: nn.Module, name: str, layer_decay: float) -> dict[str, float]:
-    """Each parameter's share of the learning rate under layer-wise decay by `layer_decay` (by name, of `model`
-    unwrapped): the head's 1, each layer before it `layer_decay` times the next one's.
-
-    timm's models: timm's own layers (param_groups_layer_decay, from the model's group_matcher: a ResNet's stem and
-    stages, a ViT's embedding and blocks). torchvision's: the layers LAYERS names. UserError for a model whose
-    order of layers is not known (a timm model without group_matcher, a torchvision family not in LAYERS).
-    """
+    """Each parameter's share of the learning rate under layer-wise decay (by name, of `model` unwrapped): the
+    head's 1, each layer before it `layer_decay` times the next one's. The layers are timm's own (its
+    param_groups_layer_decay) or those LAYERS names; UserError for a model whose order of layers is not known."""
     if is_timm(name):
         from timm.optim import param_groups_layer_decay
 
@@ -60,11 +56,9 @@ def layer_scales(model: nn.Module, name: str, layer_decay: float) -> dict[str, f
 
 
 def norms_and_biases(model: nn.Module, name: str) -> frozenset[str]:
-    """The names of `model`'s (unwrapped) parameters that --norm-weight-decay applies to: torchvision's models,
-    the weights of its normalisation layers (BatchNorm, LayerNorm, GroupNorm, ...) and every bias, as torchvision's
-    references choose them; timm's, timm's own choice (param_groups_weight_decay): every 1-D tensor (norms,
-    biases, layer scales) and what the model's no_weight_decay() names (a ViT's position embedding and class
-    token)."""
+    """The names of `model`'s (unwrapped) parameters that --norm-weight-decay applies to: for torchvision's
+    models, the norm layers' weights and every bias, as torchvision's references choose; for timm's, timm's own
+    choice (param_groups_weight_decay: 1-D tensors and what no_weight_decay() names)."""
     if is_timm(name):
         from timm.optim import param_groups_weight_decay
 

@@ -1,5 +1,5 @@
-"""Weights files: the one `--weights` names (a model's pretrained weights from torchvision's or Hugging Face's cache,
-downloaded there once, or a path), read safely and loaded into a model, with a report of what loaded."""
+"""Weights files: the one `--weights` names (pretrained weights in torchvision's or Hugging Face's cache, downloaded
+there once, or a path), read safely and loaded into a model, with a report of what loaded."""
 
 import http.client
 import os
@@ -26,45 +26,28 @@ from network.architectures import (
 from read_back import safe_load
 from utils import UserError
 
-# torch.hub sets no timeout of its own, so a network that drops packets would hang the download for minutes (a
-# stalled read, for ever). This bounds each connection attempt and each read; pip's default is the same.
+# Each connection attempt and read (torch.hub sets no timeout: a stalled read would hang for ever); pip's default.
 DOWNLOAD_TIMEOUT_S = 15
 
 
 def weights_file(spec: str | os.PathLike, name: str = DEFAULT_MODEL) -> Path:
-    """The file that `--weights spec` names for model `name`, for load_weights.
-
-    The word "imagenet" (IMAGENET, as a str) names the model's pretrained weights: torchvision's ImageNet weights
-    (imagenet_weights_file, which downloads them if they are not cached yet), or for a timm model timm's
-    (timm_weights_file). Anything else is a path, returned as it is (load_weights says so when it does not
-    exist); a file that is really called "imagenet" is `./imagenet`.
-    """
+    """The file that `--weights spec` names for model `name`: for the word IMAGENET the model's pretrained weights
+    (downloaded if not cached yet), else a path as it is (a file called imagenet is `./imagenet`)."""
     if isinstance(spec, str) and spec == IMAGENET:
         return timm_weights_file(name) if is_timm(name) else imagenet_weights_file(imagenet_weights_url(name))
     return Path(spec)
 
 
 def imagenet_weights_url(name: str = DEFAULT_MODEL) -> str:
-    """Where torchvision keeps its ImageNet weights for model `name` (its DEFAULT, the best of them)."""
+    """The URL of torchvision's DEFAULT (best) ImageNet weights for model `name`."""
     return get_model_weights(check_model_name(name)).DEFAULT.url
 
 
 def imagenet_weights_file(url: str) -> Path:
-    """torchvision's ImageNet weights file in torchvision's cache, downloaded from `url` first if not there yet.
-
-    The cache is the one torchvision's own `weights.get_state_dict()` uses: torch.hub.get_dir()/checkpoints
-    (~/.cache/torch/hub/checkpoints unless TORCH_HOME or XDG_CACHE_HOME say otherwise), the file named as in the
-    URL. The download is torch.hub's, with torchvision's check that the file's sha256 starts with the hash in its
-    name; it writes to a temporary file beside the real one and renames it when complete (deleting it on
-    failure), so a failed or interrupted download never leaves a file under the real name.
-
-    Call it before training starts (the scripts do, in run/plan.py's prepare), so that a missing network is one
-    error line at start-up. Processes that ask at the same time (every torchrun rank runs prepare) take turns
-    on a lock file beside the cache file: one downloads, the others then find the file.
-
-    Raises UserError when the download fails (no network, a timeout, a file that is not the expected one),
-    saying where to fetch the file from and where to put it.
-    """
+    """torchvision's ImageNet weights file in torchvision's own cache (torch.hub.get_dir()/checkpoints),
+    downloaded from `url` by torch.hub first if not there: hash-checked, renamed into place when whole, torchrun's
+    ranks taking turns on a lock. Called by run/plan.py's prepare, so that a missing network is one line at
+    start-up: a UserError saying where to fetch the file from and where to put it."""
     path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(url).path)
     if path.is_file():
         return path
@@ -91,16 +74,10 @@ def imagenet_weights_file(url: str) -> Path:
 
 
 def timm_weights_file(name: str) -> Path:
-    """timm's pretrained weights for timm/NAME (those of NAME's tag, else timm's default for the architecture) in
-    Hugging Face's cache, where timm itself keeps them: downloaded there first if they are not there yet.
-
-    Looked up in the cache alone first, so that a cached file needs no network; then, after one request that
-    finds whether the file can be had, downloaded by huggingface_hub, which bounds each connection and read (10 s:
-    HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT), writes to an incomplete file it renames when whole, and lets
-    concurrent processes (torchrun's ranks) take turns on a lock. HF_HUB_OFFLINE=1 forbids the download. Raises
-    UserError when the model has no pretrained weights or the download fails, saying where to fetch the file from
-    and to pass it as --weights FILE.
-    """
+    """timm's pretrained weights for timm/NAME (its tag's, else the architecture's default) in Hugging Face's
+    cache, where timm keeps them; a cached file needs no network, else huggingface_hub downloads it (with its
+    timeouts, renaming and lock; HF_HUB_OFFLINE=1 forbids it). UserError where there are none or the download
+    fails, saying where to fetch the file from."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
     from huggingface_hub.errors import HTTPError
     from timm.models import get_pretrained_cfg
@@ -156,8 +133,8 @@ def strip_wrapper_prefixes(state_dict: dict) -> dict:
 
 
 def read_state_dict(path) -> dict:
-    """A state dict from a weights file: a plain state dict, a checkpoint holding one under "model" (ours) or
-    "state_dict" (timm's training script's), or a .safetensors file (Hugging Face's, timm's pretrained weights)."""
+    """A state dict from a weights file: a plain one, a checkpoint holding one under "model" (ours) or
+    "state_dict" (timm's), or a .safetensors file."""
     data = read_safetensors(path) if Path(path).suffix == ".safetensors" else safe_load(path, "weights file")
     for key in ("model", "state_dict"):
         if isinstance(data, dict) and isinstance(data.get(key), dict):
@@ -171,13 +148,9 @@ def read_state_dict(path) -> dict:
 def load_weights(
     model: nn.Module, source, strict: bool = False, name: str = DEFAULT_MODEL, what: str | None = None
 ) -> LoadReport:
-    """Load a weights file (or a state dict read from one: `what` names it) into `model`, torchvision's `name`;
-    returns what was loaded and skipped.
-
-    Lenient (for --weights, starting a run): tensors of another shape, normally a head for another number of
-    classes, are skipped and left as initialised; anything else that does not fit is refused. Strict (for a run's
-    own weights, in inference): every tensor must be there, with the model's shape.
-    """
+    """Load a weights file (or a state dict read from one: `what` names it) into `model`; returns what was loaded
+    and skipped. Lenient (--weights): a head of another shape is left as initialised, anything else that does not
+    fit is refused. Strict (a run's own weights, in inference): every tensor must be there, with its shape."""
     state_dict = source if isinstance(source, dict) else read_state_dict(source)
     own = model.state_dict()
     report = LoadReport()
@@ -195,8 +168,8 @@ def load_weights(
     else:
         if not report.loaded:
             raise UserError(f"{what} has no tensor that fits this model (is it for another architecture?)")
-        # Only the classifier head may differ (another class count); files older than torchvision 0.4.1 (such as
-        # resnet34-333f7ec4.pth) lack the num_batches_tracked counters. Anything else means another network.
+        # Only the head may differ; files older than torchvision 0.4.1 (resnet34-333f7ec4.pth) lack the
+        # num_batches_tracked counters. Anything else means another network.
         head = head_names(name)
         misfits = [
             key
@@ -213,7 +186,7 @@ def load_weights(
 
 
 def read_safetensors(path) -> dict:
-    """A .safetensors file's tensors (a format that holds tensors alone: nothing in it can run code)."""
+    """A .safetensors file's tensors (nothing in one can run code)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -226,6 +199,6 @@ def read_safetensors(path) -> dict:
 
 
 def head_classes(state_dict: dict, name: str = DEFAULT_MODEL) -> int | None:
-    """The number of classes the weights' classifier head (for model `name`) predicts, or None if they hold none."""
+    """The number of classes the weights' head (for model `name`) predicts, or None if they hold none."""
     head = [state_dict[key] for key in sorted(head_names(name)) if key in state_dict]
     return head[0].shape[0] if head else None

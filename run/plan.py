@@ -225,29 +225,29 @@ def per_process_recipe(config: Config, saved: dict | None, world_size: int, chec
     return replace(config, batch_size=batch, lr=lr), given
 
 
-def note_inexact_resume(config: Config, saved: dict | None, world_size: int, micro_batch: int | None) -> None:
-    """Say so when a resume cannot take the uninterrupted run's exact steps, though it keeps the recipe: when
-    the images of one forward pass differ from the run's before (another number of processes, another
-    micro-batch: `micro_batch`, None for the whole batch) and the model has layers that compute per pass: dropout
-    and stochastic depth draw a mask per process and pass, BatchNorm takes the statistics of a pass's images (of
-    the passes at the same position on every process, with --sync-bn). `config` is the per-process recipe
-    (per_process_recipe's), `saved` the checkpoint's record (None for a new run)."""
+def inexact_resume_note(config: Config, saved: dict | None, world_size: int, choice) -> str | None:
+    """The note a resume that keeps the recipe but not the uninterrupted run's exact steps prints (None: it takes
+    them, or it is a new run): when a forward pass now takes other images than before (another number of processes,
+    another micro-batch) and the model has layers that compute per pass (dropout's masks, BatchNorm's statistics,
+    of the passes at one position on every process with --sync-bn). `config` is the per-process recipe
+    (per_process_recipe's), `saved` the checkpoint's record."""
     if saved is None:
-        return
+        return None
     saved_world = saved["world_size"]
     saved_batch = saved["batch_size"] * saved["recipe_world_size"] // saved_world  # per process, as it trained
-    before, now = (saved.get("micro_batch") or saved_batch, saved_world), (micro_batch or config.batch_size, world_size)
+    before = (saved.get("micro_batch") or saved_batch, saved_world)
+    now = (choice.micro_batch or config.batch_size, world_size)
     normalised = lambda images, processes: images * (processes if config.sync_bn else 1)  # noqa: E731
     layers = random_draws(config.model) if before != now else ()
     if normalised(*before) != normalised(*now):
         layers += batch_statistics(config.model)
-    if layers and first_rank():
-        print(
-            f"note: {config.model}'s {' and '.join(layers)} layers compute per forward pass, which now takes {now[0]} "
-            f"images on each of {now[1]} process(es), {before[0]} on each of {before[1]} before: this run keeps the "
-            "recipe, not the uninterrupted run's exact weights (docs/resuming-and-failures.md)",
-            flush=True,
-        )
+    if not layers:
+        return None
+    return (
+        f"note: {config.model}'s {' and '.join(layers)} layers compute per forward pass, which now takes {now[0]} "
+        f"images on each of {now[1]} process(es), {before[0]} on each of {before[1]} before: this run keeps the "
+        "recipe, not the uninterrupted run's exact weights (docs/resuming-and-failures.md)"
+    )
 
 
 def check_same_recipe(checkpoint: Path, saved: dict, config: Config) -> None:

@@ -16,6 +16,7 @@ from multi_train_utils.epoch_writer import EpochWriter, on_host
 from recipe.loss import describe_class_weights
 from recipe.optimizer import describe_learning_rate
 from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before, read_metrics, skipped_note
+from run.plan import inexact_resume_note
 from run.tensorboard import Board
 from run.tracking import Tracking
 from utils import OutputError, describe, write_failure, write_json
@@ -23,22 +24,23 @@ from utils import OutputError, describe, write_failure, write_json
 
 def announce(config, plan, process, choice, decoding_line: str) -> None:
     """The run's first lines: how many processes on what, the data (`decoding_line`: whether its images were decoded
-    once into memory), the loader workers, the learning rate, the class weights and whether the model is compiled."""
-    split = plan.split
+    once into memory), auto's choice, whether a resume takes the uninterrupted run's exact steps, the learning rate,
+    the class weights and whether the model is compiled."""
+    split, compiled = plan.split, describe_compile(config)
     backend = f", backend {torch.distributed.get_backend()}" if process.distributed else ""
-    print_once(f"{config.script}: {process.world_size} process(es) on {process.device.type}{backend}")
+    lines = [f"{config.script}: {process.world_size} process(es) on {process.device.type}{backend}"]
     if process.device.type == "cpu" and not torch.cuda.is_available():
-        print_once("No CUDA GPU found: training on the CPU.")
-    if split.unreadable:
-        warn_once(f"skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
-    print_once(
+        lines.append("No CUDA GPU found: training on the CPU.")
+    lines.append(
         f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
         f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; "
         f"{choice.workers} loader workers per process"
     )
-    print_once(decoding_line)
-    lines = (describe_learning_rate(config, process.world_size), describe_class_weights(config, split))
-    for line in (*lines, describe_compile(config)):
+    lines += [decoding_line, *choice.lines, inexact_resume_note(config, plan.saved, process.world_size, choice)]
+    lines += [describe_learning_rate(config, process.world_size), describe_class_weights(config, split), compiled]
+    if split.unreadable:
+        warn_once(f"skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
+    for line in lines:
         if line is not None:
             print_once(line)
 
@@ -74,16 +76,19 @@ class RunLog:
             split=split_fingerprint(plan.split, plan.data_path),  # a resume checks it has the same images
             **plan.given,  # the run's --batch-size and --lr as given, and for how many processes
         )  # fmt: skip
+        if enabled:
+            write_class_indices(self.classes, self.output_dir)
+            if start_epoch > 0:
+                keep_metrics_before(self.output_dir / METRICS_NAME, start_epoch)
+            logged = read_metrics(self.output_dir / METRICS_NAME)
+            print(
+                f'Output: {self.output_dir}  (TensorBoard: tensorboard --logdir "{self.output_dir / "tb"}")', flush=True
+            )
+            write_json(self.output_dir / "args.json", self.record)
+            self.board = Board(self.output_dir / "tb", self.record, preview_set, start_epoch)
         self.tracking = Tracking(config, plan, self.record, process.device, enabled)
-        if not enabled:
-            return
-        write_class_indices(self.classes, self.output_dir)
-        if start_epoch > 0:
-            keep_metrics_before(self.output_dir / METRICS_NAME, start_epoch)
-        print(f'Output: {self.output_dir}  (TensorBoard: tensorboard --logdir "{self.output_dir / "tb"}")', flush=True)
-        write_json(self.output_dir / "args.json", self.record)
-        self.board = Board(self.output_dir / "tb", self.record, preview_set, start_epoch)
-        self.tracking.start(read_metrics(self.output_dir / METRICS_NAME), start_epoch)
+        if enabled:
+            self.tracking.start(logged, start_epoch)
 
     def training_state(self, epoch: int, model, training) -> dict:
         """The checkpoint of this run after `epoch`: `model` (without its wrappers) and what `training` steps; the
@@ -100,6 +105,7 @@ class RunLog:
         epoch, self.best_acc = metrics["epoch"], best_acc
         started = time.perf_counter()
         self.wait_for_writes()  # the last epoch's files, written meanwhile: a failure to write them stops here
+        state = self.training_state(epoch, model, training)
         waited = time.perf_counter() - started
         started = time.perf_counter()
         predicted = self.board.predictions(model, self.choice)  # the preview's, with this epoch's weights
@@ -107,7 +113,6 @@ class RunLog:
         started = time.perf_counter()
         keep = self.save_every > 0 and (epoch + 1) % self.save_every == 0
         best_weights = best.state_dict() if best is not None else None
-        state = self.training_state(epoch, model, training)
         (weights, best_weights, state), arrived = on_host((model.state_dict(), best_weights, state))
         line = metrics | {"logging_seconds": logging, "saving_seconds": waited + time.perf_counter() - started}
         self.print_epoch(line)

@@ -171,8 +171,8 @@ BREAKS = [
     ("13h a resume's micro-batch change unsaid", "run/plan.py",
      '(saved.get("micro_batch") or saved_batch, saved_world)', "(saved_batch, saved_world)",
      "tests/test_resume_matrix.py::test_a_resume_says_when_another_forward_pass_makes_it_inexact"),
-    ("13i choose says nothing of a resume", "autotune/choose.py",
-     "    note_inexact_resume(config, plan.saved, get_world_size(), choice.micro_batch)\n", "",
+    ("13i the run says nothing of a resume", "run/run_log.py",
+     ", inexact_resume_note(config, plan.saved, process.world_size, choice)]", "]",
      "tests/test_resume_matrix.py::test_a_resume_with_another_micro_batch_says_so_as_it_decides_how_to_compute"),
     ("13j loader workers waited for at exit", "my_dataset.py",
      "@atexit.register  # after", "# after",
@@ -198,9 +198,11 @@ BREAKS = [
      "        self.writer.write(write, after=lambda: self.tracking.epoch(line))",
      "        self.tracking.epoch(line)\n        self.writer.write(write)",
      TK + "test_each_epoch_is_logged_once_with_the_figures_of_the_run_that_finished_it"),
-    ("15b every rank tracks", "run/run_log.py", "        if not enabled:\n            return\n        write_class",
-     "        if not enabled:\n            self.tracking = Tracking(config, plan, self.record, process.device)\n"
-     "            self.tracking.start([], start_epoch)\n            return\n        write_class",
+    ("15b every rank tracks", "run/run_log.py",
+     "        if enabled:\n            self.tracking.start(logged, start_epoch)",
+     "        if enabled:\n            self.tracking.start(logged, start_epoch)\n        else:\n"
+     "            self.tracking = Tracking(config, plan, self.record, process.device)\n"
+     "            self.tracking.start([], start_epoch)",
      TK + "test_a_torchrun_run_stopped_failed_and_resumed_on_one_process_is_one_tracked_run_marked_as_it_ended"),
     ("14f layer decay one layer off", "network/groups.py", "layer_decay ** (len(prefixes) - depth)",
      "layer_decay ** (len(prefixes) - depth - 1)",

@@ -16,7 +16,7 @@ from spawn_world import spawn_world
 
 from autotune import choose as autotune
 from autotune import remembered, timing
-from autotune.choose import choose, choose_workers
+from autotune.choose import choose_workers
 from autotune.remembered import CACHE_ENV, cache_file
 from dataset.folders import read_split_data
 from machine import available_cores
@@ -29,6 +29,13 @@ FP32, FP32_CL = Choice("off", False), Choice("off", True)
 BF16, BF16_CL = Choice("bf16", False), Choice("bf16", True)
 AUTO = Config(model="resnet18", img_size=32, batch_size=8, workers=0, batches="loader")  # precision, layout: auto
 NOT_LOADED = None  # the training set choose times loading on: these tests give --workers, or fake its timing
+
+
+def choose(*args) -> Choice:
+    """autotune's choose, its lines printed as the run prints them (run/run_log.py's announce)."""
+    chosen = autotune.choose(*args)
+    print("\n".join(chosen.lines))
+    return chosen
 
 
 def tuned(choice: Choice) -> tuple[int, Choice]:
@@ -55,14 +62,14 @@ def machine(monkeypatch, tmp_path):
         monkeypatch.delenv(cap, raising=False)
     state = SimpleNamespace(seconds={FP32: 1.0, FP32_CL: 2.0, BF16: 3.0, BF16_CL: 4.0}, timed=[])
 
-    def time_candidates(candidates, config, plan, device):
+    def time_candidates(candidates, config, plan, device, world_size=1):
         state.timed.append(list(candidates))
         return {candidate: state.seconds[candidate] for candidate in candidates}
 
-    monkeypatch.setattr(autotune, "time_candidates", time_candidates)
+    monkeypatch.setattr(timing, "time_candidates", time_candidates)
     # A GPU here is a name (the step is never run): the whole batch fits its memory (tests/test_micro_batch.py
     # checks the search itself, on the CPU with the out-of-memory condition substituted)
-    monkeypatch.setattr(autotune, "fitting_micro_batch", lambda config, plan, device, hungriest, held=0: (None, []))
+    monkeypatch.setattr(timing, "fitting_micro_batch", lambda *args: (None, []))
     threads = torch.get_num_threads()
     yield state
     torch.set_num_threads(threads)
@@ -79,8 +86,8 @@ def forbid_measuring(monkeypatch):
         raise AssertionError("measured, though it should not have")
 
     monkeypatch.setattr(autotune, "measure", refuse)
-    monkeypatch.setattr(autotune, "time_candidates", refuse)
-    monkeypatch.setattr(autotune, "time_loading", refuse)
+    monkeypatch.setattr(timing, "time_candidates", refuse)
+    monkeypatch.setattr(timing, "time_loading", refuse)
 
 
 @pytest.mark.parametrize("fastest", [FP32, FP32_CL, BF16, BF16_CL])
@@ -191,7 +198,7 @@ def test_a_given_flag_is_not_measured_and_the_rest_is(machine, plan, monkeypatch
     assert machine.timed == [[FP32, FP32_CL], [FP32_CL, BF16_CL]]
     # On a GPU with precision and layout given, the step is timed all the same: the workers must keep up with it
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
-    monkeypatch.setattr(autotune, "time_loading", lambda train_set, *how: 0.002)
+    monkeypatch.setattr(timing, "time_loading", lambda train_set, *how: 0.002)
     monkeypatch.setattr(autotune, "cores_per_process", lambda processes_here: 8)
     machine.seconds[BF16] = 0.001  # seconds per image
     workers, compute = tuned(
@@ -261,11 +268,11 @@ def _tune_in_rank(rank, world_size, cache, results):
     timed = []
     fastest = {0: BF16, 1: FP32_CL}[rank]
 
-    def time_candidates(candidates, config, plan, device):
+    def time_candidates(candidates, config, plan, device, world_size=1):
         timed.append(rank)
         return {candidate: 0.5 if candidate == fastest else 1.0 for candidate in candidates}
 
-    autotune.time_candidates = time_candidates  # a process of its own: nothing to restore
+    timing.time_candidates = time_candidates  # a process of its own: nothing to restore
     with_bfloat16(lambda owner, name, value: setattr(owner, name, value))
     for cap in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         os.environ.pop(cap, None)
@@ -323,10 +330,9 @@ def test_auto_makes_the_batches_where_it_measured_them_faster_says_so_and_rememb
     """Where the images fit on the device (substituted), auto times making a batch there (substituted: `making`
     seconds an image) against loading (2 ms an image on one core) beside the measured step, and chooses."""
     room = "4 images padded to 8 x 8 px: 0.00 GB, within half of the 1.0 GB free"
-    monkeypatch.setattr(autotune, "device_batches_possible", lambda *args: (True, room))
-    monkeypatch.setattr(autotune, "device_seconds_per_image", lambda *args: making)
-    monkeypatch.setattr(autotune, "time_loading", lambda train_set, *how: 0.002)
-    monkeypatch.setattr(autotune, "held_size", lambda *args: (1000, 8, 8))
+    monkeypatch.setattr(autotune, "device_batches_room", lambda *args: (1000, room))
+    monkeypatch.setattr(timing, "device_seconds_per_image", lambda *args: making)
+    monkeypatch.setattr(timing, "time_loading", lambda train_set, *how: 0.002)
     plan.split.train_images = ["image.jpg"] * 80  # 10 steps an epoch
     config = replace(AUTO, batches="auto")
     workers, compute = tuned(choose(config, plan, CPU, 1, NOT_LOADED))

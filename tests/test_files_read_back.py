@@ -26,8 +26,10 @@ from torch import nn
 
 import evaluate
 from autotune import choose as autotune
-from autotune.choose import cached_or_measured
+from autotune import remembered
+from autotune.choose import compute_candidates, remembered_or_measured
 from autotune.remembered import read_entries
+from autotune.timing import Measured
 from dataset.demo import make_demo_data
 from dataset.folders import read_split_data, split_fingerprint, write_class_indices
 from dataset.image_check import CHECK_LOCK, CHECKED_IMAGES, ImageCheck, read_verdicts
@@ -172,12 +174,13 @@ def assert_refused_naming(call, name: str) -> bool:
 
 
 AUTO = Config(model="resnet18", img_size=32, batch_size=8, workers=0)
-# measure's answer: the choice, the lines saying so, and the facts it was decided from
-MEASURED = (
-    Choice("off", False, workers=0),
-    ["Auto: measured"],
-    {"measured": {"fp32": 100.0}, "load_ms": None, "seconds": 0.5, "date": "2026-11-24"},
-)
+MEASURED = Measured({Choice("off", False): 100.0}, ["Auto: measured"])  # measure's answer: float32 NCHW, the fastest
+
+
+def measured_or_remembered(plan) -> Choice:
+    """autotune's choice for AUTO: remembered, else measured (MEASURED, substituted) and remembered."""
+    candidates = compute_candidates(AUTO.amp, AUTO.channels_last, CPU)
+    return remembered_or_measured(AUTO, plan, CPU, 1, None, None, candidates)
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +188,9 @@ def autotune_file(tmp_path_factory):
     """An autotune.json as a run on this machine leaves it (for AUTO, with MEASURED), and the plan it is for."""
     folder = tmp_path_factory.mktemp("autotune")
     plan = SimpleNamespace(data_path=folder / "data", split=SimpleNamespace(classes=list("abcde")))
-    with mock.patch.object(autotune, "cache_file", return_value=folder / "autotune.json"):
+    with mock.patch.object(remembered, "cache_file", return_value=folder / "autotune.json"):
         with mock.patch.object(autotune, "measure", return_value=MEASURED):
-            cached_or_measured(AUTO, plan, CPU, 1, None, False)
+            measured_or_remembered(plan)
     return (folder / "autotune.json").read_bytes(), plan
 
 
@@ -196,16 +199,16 @@ def autotune_file(tmp_path_factory):
 def test_a_damaged_autotune_cache_is_measured_again_with_one_warning_and_replaced(autotune_file, data):
     original, plan = autotune_file
     damage = data.draw(damaged(original, json.loads(original)))
-    with damaged_copy("autotune.json", damage) as folder, mock.patch.object(autotune, "cache_file") as cache:
+    with damaged_copy("autotune.json", damage) as folder, mock.patch.object(remembered, "cache_file") as cache:
         path = cache.return_value = folder / "autotune.json"
         with mock.patch.object(autotune, "measure", return_value=MEASURED) as measure:
-            (choice, _), warnings = warnings_of(lambda: cached_or_measured(AUTO, plan, CPU, 1, None, False))
+            choice, warnings = warnings_of(lambda: measured_or_remembered(plan))
             assert (choice.amp, choice.channels_last, choice.workers) == ("off", False, 0)
             assert len(warnings) <= 1 and all("autotune.json" in line for line in warnings)
             if cut_inside_json(damage, original):
                 assert len(warnings) == 1 and measure.called
             assert len(read_entries(path)) >= 1  # replaced by a whole file, or left whole
-            (again, _), warnings = warnings_of(lambda: cached_or_measured(AUTO, plan, CPU, 1, None, False))
+            again, warnings = warnings_of(lambda: measured_or_remembered(plan))
             assert again.amp == "off" and not warnings and measure.call_count <= 1
 
 

@@ -20,10 +20,14 @@ import torch
 from conftest import FAST, PINNED_COMPUTE, final_weights, metrics_without_timings
 
 from autotune.choose import choose
+from dataset.folders import DataSplit
 from multi_train_utils import stop_and_resume
 from multi_train_utils.checkpoint import load_checkpoint
+from multi_train_utils.distributed_utils import single_process
+from multi_train_utils.train_eval_utils import Choice
 from run.config import Config
-from run.plan import note_inexact_resume, per_process_recipe
+from run.plan import inexact_resume_note, per_process_recipe
+from run.run_log import announce
 
 # Epoch 0 stopped at its 3rd step of 6, or a crash at the start of epoch 1; 2 epochs in all.
 STOP, CRASH = ("stop", 0, 2), ("crash", 1)
@@ -134,14 +138,14 @@ RESUMES = [
 
 @pytest.mark.fast
 @pytest.mark.parametrize("network, sync_bn, before, now, layers", RESUMES)
-def test_a_resume_says_when_another_forward_pass_makes_it_inexact(capsys, network, sync_bn, before, now, layers):
+def test_a_resume_says_when_another_forward_pass_makes_it_inexact(network, sync_bn, before, now, layers):
     # The recipe holds (per_process_recipe: the same global batch and rate); exactness cannot, and the run says so.
     config = Config(model=network, batch_size=8 // before[1], lr=0.1, sync_bn=sync_bn)
     saved = {"batch_size": config.batch_size, "micro_batch": before[0]} | {"world_size": before[1]}
     resized, _ = per_process_recipe(config, saved | {"recipe_world_size": before[1]}, now[1], "run/checkpoint.pth")
     assert resized.batch_size * now[1] == 8 and resized.lr * now[1] == 0.1 * before[1]
-    note_inexact_resume(resized, saved | {"recipe_world_size": before[1]}, now[1], now[0])
-    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    note = inexact_resume_note(resized, saved | {"recipe_world_size": before[1]}, now[1], Choice(micro_batch=now[0]))
+    said = [] if note is None else [note]
     if not layers:
         assert not said
     else:
@@ -155,11 +159,15 @@ def test_a_resume_says_when_another_forward_pass_makes_it_inexact(capsys, networ
 
 @pytest.mark.fast
 def test_a_resume_with_another_micro_batch_says_so_as_it_decides_how_to_compute(capsys, monkeypatch):
-    # choose (autotune/choose.py) decides the micro-batch, given or measured; then the run says what it changes
+    # choose (autotune/choose.py) decides the micro-batch, given or measured; then the run says what it changes, as
+    # it announces itself (run/run_log.py)
     monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # this test process's threads stay
     config = Config(model="resnet18", batch_size=8, lr=0.1, amp="off", channels_last=False, workers=0, micro_batch=4)
     config = replace(config, batches="loader")  # nothing measured: no images to make batches of
     saved = {"batch_size": 8, "micro_batch": None, "world_size": 1, "recipe_world_size": 1}
-    choice = choose(config, types.SimpleNamespace(saved=saved), torch.device("cpu"), 1, train_set=None)
+    split = DataSplit(["a.jpg"] * 8, [0] * 8, ["b.jpg"] * 2, [0, 1], ["a", "b"])
+    plan = types.SimpleNamespace(saved=saved, split=split)
+    choice = choose(config, plan, torch.device("cpu"), 1, train_set=None)
     assert choice.micro_batch == 4
+    announce(config, plan, single_process("cpu"), choice, "Images: decoded from their files every epoch")
     assert "note: resnet18's BatchNorm2d layers compute per forward pass, which now takes 4" in capsys.readouterr().out

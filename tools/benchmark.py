@@ -1,9 +1,7 @@
 """Measure training speed: the model and the loader alone, then each launch script end to end.
 
-Every row is a fresh process (or group of processes), measured in the order of the table (--rows) after auto's
-run, which comes first because the rows without a script compute as it chose. benchmark.json is rewritten after
-every row, so a benchmark stopped midway keeps the rows it finished; the table, the chart and the targets come at
-the end. docs/performance.md ("The benchmark") says what each row measures.
+Each row runs in fresh processes, after auto's run (the rows without a script compute as it chose); benchmark.json
+is rewritten after every row. docs/performance.md ("The benchmark") says what each row measures.
 """
 
 import argparse
@@ -16,7 +14,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the project's modules, for `python tools/benchmark.py` from anywhere
+sys.path.insert(0, str(ROOT))  # for `python tools/benchmark.py` from anywhere
 
 from autotune.choose import amp_candidates  # noqa: E402
 from autotune.remembered import CACHE_ENV  # noqa: E402
@@ -33,15 +31,10 @@ from tools.script_rows import FIXED  # noqa: E402
 from tools.startup_benchmark import image_counts, startup_benchmark  # noqa: E402
 from utils import Parser, UserError, entry_point, number, write_json  # noqa: E402
 
-FLOWER_PHOTOS_SIZE = (320, 240)  # about the size of the images in flower_photos
-# The kinds of row (benchmark.json's "kind"; --rows picks them), in the order of the table
+FLOWER_PHOTOS_SIZE = (320, 240)
+# benchmark.json's "kind" of row, in the order of the table
 KINDS = ("model-only", "compile", "loader", "peer", "profile", "baseline", "fixed", "auto", "paths", "torchrun",
          "spawn", "demo", "predict")  # fmt: skip
-KINDS_HELP = """model-only: train_one_epoch over one batch on the device (the ceiling), and in float32 NCHW;
-compile: the same compiled; loader: the training loader alone; peer: train_one_epoch fed by a torchvision-style
-loader; profile: a trace of the real loop; baseline, fixed, auto, paths: train_single_gpu.py as the original ran, in
-fixed precisions, with auto, with its batches made the other way; torchrun, spawn: the DDP scripts; demo: --demo's
-first run; predict: predict.py"""
 TABLE_HEADER = (
     "| configuration | processes | precision, layout | img/s | × baseline | % of peak | epoch (s) "
     "| first epoch (s) | peak RSS / process (MiB) |\n|---|---:|---|---:|---:|---:|---:|---:|---:|"
@@ -72,7 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
     p.add_argument("--output-dir", type=Path, default=Path("benchmark"), help="where results and runs go")
     p.add_argument("--rows", type=names_of(KINDS, "all"), default="all",
-                   help=f"the kinds of row measured, comma-separated (auto always runs): {KINDS_HELP}")  # fmt: skip
+                   help=f"the kinds of row measured, comma-separated, of {', '.join(KINDS)} (auto always runs; "
+                   "docs/performance.md says what each measures)")  # fmt: skip
     p.add_argument("--skip-ddp", action="store_true", help="leave out the torchrun and spawn rows")
     p.add_argument("--skip-demo", action="store_true", help="leave out the demo's run (a minute or two on a CPU)")
     p.add_argument("--startup-sizes", type=image_counts,
@@ -82,7 +76,7 @@ def parse_args(argv=None):
 
 
 def names_of(known, every: str):
-    """argparse type: a comma-separated list of `known` names; `every` stands for all of them ("none": none)."""
+    """argparse type: comma-separated `known` names; `every` stands for all of them ("none": none)."""
 
     def names(text: str) -> list[str]:
         chosen = (list(known) if every == "all" else []) if text == every else text.split(",")
@@ -105,7 +99,8 @@ def main(argv=None):
     nprocs = settle(args)
     print(f"Benchmark: {args.model}, {args.img_size} px, batch {args.batch_size}, data {args.data_path}, "
           f"output {args.output_dir}")  # fmt: skip
-    machine = describe_machine(args.device)
+    gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if args.device.startswith("cuda") else None
+    machine = f"{describe_cpu()}; {gpus or 'no GPU used'}"
     print(f"Machine: {machine}")
     plan = training_plan(args.data_path, args.batch_size, args.output_dir)
     auto, choice = script_rows.auto_run(args)  # first: the rows below compute as it chose
@@ -138,10 +133,8 @@ def main(argv=None):
 
 
 def settle(args) -> int:
-    """Fill in what the flags leave to the benchmark (the fixed configurations, the rows, the data: generated
-    JPEGs), check the output folder is new, and keep auto's choices in the benchmark's own file; returns the
-    number of processes of the DDP rows."""
-    if args.fixed is None:  # float32 in both layouts; bfloat16 too where auto would consider it
+    """Fill in what the flags leave to the benchmark; returns the number of processes of the DDP rows."""
+    if args.fixed is None:  # float32; bfloat16 too where auto would consider it
         candidates = amp_candidates("auto", torch.device(args.device))[0]
         args.fixed = [name for name, (amp, _) in FIXED.items() if amp in candidates]
     left_out = ({"torchrun", "spawn"} if args.skip_ddp else set()) | ({"demo"} if args.skip_demo else set())
@@ -154,15 +147,14 @@ def settle(args) -> int:
         args.data_path = make_demo_data(folder, images_per_class=args.images_per_class, size=FLOWER_PHOTOS_SIZE)
     if (args.output_dir / "runs").exists():
         raise UserError(f"{args.output_dir} already holds a benchmark: choose another --output-dir or remove it")
-    # auto's choices go to the benchmark's own file, empty at the start: each benchmark measures anew, as a first
-    # run does, and never reads or changes the user's
+    # auto's choices go to the benchmark's own, new file: it measures as a first run does, and leaves the user's alone
     os.environ[CACHE_ENV] = str((args.output_dir / "autotune.json").resolve())
     return args.nprocs or (torch.cuda.device_count() if args.device.startswith("cuda") else 2)
 
 
 def peaks_and_flops(args, choice: Choice) -> tuple[dict, float]:
-    """The compute peak of every precision a row may train in (the DDP runs measure on their own share of the cores
-    and may choose another of auto's candidates), and a training step's FLOPs per image; both printed."""
+    """The compute peak of every precision a row may train in (a DDP run may choose another of auto's candidates),
+    and a training step's FLOPs per image."""
     device = torch.device(args.device)
     fixed = [Choice(FIXED[name][0]) for name in args.fixed]
     candidates = [Choice(amp) for amp in amp_candidates(args.amp, device)[0]]
@@ -175,23 +167,15 @@ def peaks_and_flops(args, choice: Choice) -> tuple[dict, float]:
 
 
 def training_plan(data_path: Path, batch_size: int, output_dir: Path) -> Plan:
-    """The rows' plan: the training scripts' split of the data at their default --val-rate and --seed, unreadable
-    images left out, no weights to start from; UserError if it holds less than one batch of training images."""
+    """The scripts' split at their default --val-rate and --seed, unreadable images left out."""
     split = read_split_data(data_path, verify_images=True)
     if len(split.train_images) < batch_size:
         raise UserError(f"{data_path}: {len(split.train_images)} training images, fewer than a batch of {batch_size}")
     return Plan(data_path, split, output_dir)
 
 
-def describe_machine(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{describe_cpu()}; {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    return f"{describe_cpu()}; no GPU used"
-
-
 def new_benchmark(args, machine: str, settings: dict) -> dict:
-    """benchmark.json before its first row: the machine, the date, torch, and the settings (the flags', and
-    `settings`: what was measured or chosen before the rows)."""
+    """benchmark.json before its first row; `settings`: what was measured or chosen before the rows."""
     return {
         "machine": machine,
         "date": datetime.date.today().isoformat(),
@@ -201,14 +185,13 @@ def new_benchmark(args, machine: str, settings: dict) -> dict:
             **settings, "data_path": str(args.data_path), "epochs": args.epochs, "steps": args.steps,
             "loader_images": args.loader_images, "fixed": args.fixed, "rows": args.rows,
         },
-        "complete": False,  # until the last row: a benchmark stopped midway leaves the rows it finished
+        "complete": False,  # until the last row
         "rows": [],
     }  # fmt: skip
 
 
 def record(benchmark: dict, new_row: dict, path: Path) -> None:
-    """Add a measured row to the benchmark in its place (the order of KINDS), print its line of the table, and write
-    the benchmark to `path` anew, atomically (write_json): a benchmark stopped midway leaves every row it finished."""
+    """Add a row in its place (the order of KINDS), print its line, and write the benchmark anew (write_json)."""
     rows = benchmark["rows"]
     rows.append(new_row)
     rows.sort(key=lambda row: KINDS.index(row["kind"]))  # a stable sort: rows of a kind stay in measured order
@@ -231,7 +214,6 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def table_line(row: dict, baseline: dict | None) -> str:
-    """A row's line of the table; "× baseline" is "–" without a baseline row."""
     epoch = f"{row['epoch_seconds']:.1f}" if row.get("epoch_seconds") else "–"
     first = f"{row['first_epoch_seconds']:.1f}" if row.get("first_epoch_seconds") else "–"
     peak = f"{row['peak_fraction']:.0%}" if row["peak_fraction"] is not None else "–"
@@ -244,8 +226,7 @@ def table_line(row: dict, baseline: dict | None) -> str:
 
 
 def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
-    """The project's speed targets, each with its ratio measured in this run and whether it is met ("not measured"
-    where a row it needs was not)."""
+    """The project's speed targets, each with this run's ratio and whether it is met."""
     ceiling, baseline, single = (first_of(rows, kind) for kind in ("model-only", "baseline", "auto"))
     loader = (rows_of(rows, "loader") or [None])[-1]  # with the training scripts' workers
     over_baseline = 3.5 if native_bf16 else 1.15  # float32 alone is capped by the machine's float32 peak
@@ -275,8 +256,7 @@ def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
 
 
 def ratio_target(what: str, row: dict | None, against: dict | None, goal: float, form: str) -> str:
-    """`what`: row's images per second over against's, and whether that reaches `goal`; "not measured" where
-    either row is missing."""
+    """`what`: row's images per second over against's, and whether that reaches `goal`."""
     if row is None or against is None:
         return f"{what}: not measured"
     value = row["img_per_sec"] / against["img_per_sec"]
@@ -284,9 +264,8 @@ def ratio_target(what: str, row: dict | None, against: dict | None, goal: float,
 
 
 def auto_targets(rows: list[dict]) -> list[str]:
-    """The targets of auto's measuring, with the figures of this run: its end-to-end speed against the best fixed
-    configuration and against the original's (float32 NCHW), what its measuring cost, the demo's time and
-    accuracy; "not measured" where a row they need was not."""
+    """auto's targets: its speed against the fixed configurations, its measuring's cost, the demo's time and
+    accuracy."""
     auto, fixed, lines = first_of(rows, "auto"), rows_of(rows, "fixed"), []
     verdict = lambda met: "met" if met else "NOT met"  # noqa: E731
     best = max(fixed, key=lambda row: row["img_per_sec"]) if fixed else None
@@ -313,7 +292,7 @@ def auto_targets(rows: list[dict]) -> list[str]:
 
 
 def predict_figures(rows: list[dict]) -> list[str]:
-    """predict.py's speed in one process and in several, and against the model-only ceiling (no targets)."""
+    """predict.py's speed in one process and in several, and against the model-only ceiling."""
     predicted = rows_of(rows, "predict")
     if not predicted:
         return ["predict.py: not measured"]
@@ -332,7 +311,6 @@ def rows_of(rows: list[dict], kind: str) -> list[dict]:
 
 
 def first_of(rows: list[dict], kind: str) -> dict | None:
-    """The first row of `kind` (of the model-only rows: the ceiling), or None."""
     return next(iter(rows_of(rows, kind)), None)
 
 

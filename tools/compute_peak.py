@@ -1,5 +1,5 @@
-"""What a row's "% of peak" is measured against: the machine's compute peak in each precision and a training step's
-FLOPs per image; and a row of benchmark.json, with that fraction."""
+"""A benchmark row's "% of peak": the machine's compute peak per precision, a training step's FLOPs per image, and a
+row of benchmark.json with that fraction."""
 
 import time
 
@@ -13,8 +13,7 @@ from network.architectures import create_model
 
 
 def measure_peaks(choices: list[Choice], device: torch.device) -> dict:
-    """The compute peak of float32 and of every other precision of `choices`, in FLOP/s, by name ("float32",
-    "bfloat16", ...)."""
+    """FLOP/s of float32 and of every other precision of `choices`, by name ("float32", "bfloat16", ...)."""
     dtypes = {torch.float32} | {choice.amp_dtype for choice in choices if choice.amp_dtype is not None}
     return {peak_name(dtype): compute_peak(dtype, device) for dtype in sorted(dtypes, key=str, reverse=True)}
 
@@ -24,11 +23,9 @@ def peak_name(dtype: torch.dtype | None) -> str:
 
 
 def compute_peak(dtype: torch.dtype, device: torch.device) -> float:
-    """FLOP/s of the fastest dense work in `dtype` on `device` (the CPU: all of this process's cores), the best of 6
-    rounds: square matrix products and, on the CPU, 3x3 convolutions of 512 channels (MKL's float32 products reach
-    half of oneDNN's convolutions on AMD CPUs). A round lasts long beside its launch: one 2048-wide product on the
-    CPU, ten 8192-wide ones queued on a GPU. float32 is timed as training computes it: on a GPU cuDNN's convolutions
-    use TensorFloat-32, so the products are timed with it too."""
+    """FLOP/s of the fastest dense work in `dtype` on `device`: matrix products and, on the CPU, convolutions (MKL's
+    float32 products reach half of oneDNN's convolutions on AMD CPUs). docs/performance.md ("The benchmark") says
+    why float32 is timed in TensorFloat-32 on a GPU."""
     on_gpu = device.type == "cuda"
     size, per_round = (8192, 10) if on_gpu else (2048, 1)
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
@@ -50,7 +47,7 @@ def compute_peak(dtype: torch.dtype, device: torch.device) -> float:
 
 
 def best_of_rounds(work, device: torch.device, rounds: int = 6) -> float:
-    """The shortest of `rounds` timed calls of work(), in seconds, each from an idle device to an idle device."""
+    """The shortest of `rounds` timed calls of work(), in seconds, from an idle device to an idle device."""
     best = float("inf")
     for _ in range(rounds):
         synchronize(device)
@@ -62,7 +59,7 @@ def best_of_rounds(work, device: torch.device, rounds: int = 6) -> float:
 
 
 def training_flops_per_image(model_name: str, img_size: int) -> float:
-    """Floating-point operations of one training step (forward and backward) of the model, per image."""
+    """FLOPs of one training step (forward and backward) of the model, per image."""
     model, batch = create_model(5, model_name), 2
     images, labels = torch.randn(batch, 3, img_size, img_size), torch.zeros(batch, dtype=torch.long)
     with FlopCounterMode(display=False) as counter:
@@ -71,20 +68,19 @@ def training_flops_per_image(model_name: str, img_size: int) -> float:
 
 
 def row(name: str, kind: str, processes: int, precision: str, measured: dict, peak=None, flops=None) -> dict:
-    """One row of benchmark.json; `peak` is the FLOP/s of the precision it computed in, `flops` a training step's
-    FLOPs per image (both None for a row that does not train: its peak_fraction is None)."""
+    """One row of benchmark.json; `peak` and `flops` are None for a row that does not train."""
     peak_fraction = measured["img_per_sec"] * flops / peak if flops is not None else None
     return {"name": name, "kind": kind, "processes": processes, "precision": precision, **measured,
             "peak_fraction": peak_fraction}  # fmt: skip
 
 
 def trained_row(name: str, kind: str, processes: int, choice: Choice, measured: dict, peaks: dict, flops: float):
-    """A row that trained computing as `choice` says, against that precision's peak (of `peaks`)."""
+    """A row that trained as `choice` says, against that precision's peak."""
     return row(name, kind, processes, described(choice), measured, peaks[peak_name(choice.amp_dtype)], flops)
 
 
 def described(choice: Choice) -> str:
-    """E.g. "bfloat16 autocast, channels_last": a row's precision and layout."""
+    """A row's precision and layout: "bfloat16 autocast, channels_last"."""
     return f"{PRECISION_NAMES[choice.amp]}, {'channels_last' if choice.channels_last else 'NCHW'}"
 
 

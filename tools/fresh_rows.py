@@ -1,7 +1,6 @@
 """The benchmark's rows measured each in a fresh process, so that none inherits another's warm caches, memory or
-threads: train_one_epoch over one batch already on the device (the ceiling; in float32 NCHW; compiled), the
-training loader alone, and train_one_epoch fed as torchvision's reference scripts and timm feed a GPU (peer-style).
-Each trains the scripts' model with their optimizer, built as they build them; only the feeding differs."""
+threads: model only (the ceiling), the training loader alone, and peer-style (fed as torchvision's references
+feed a GPU). Each trains the scripts' model and optimizer; only the feeding differs."""
 
 import itertools
 import math
@@ -28,12 +27,11 @@ from run.metrics import peak_memory
 from tools.compute_peak import row, trained_row, worker_phrase
 from utils import UserError
 
-UNTIMED_STEPS = 3  # allocations, kernel choices (and the compilation, timed apart)
+UNTIMED_STEPS = 3  # allocations, kernel choices, compilation
 
 
 def model_rows(args, config, choice: Choice, peaks: dict, flops: float):
-    """train_one_epoch over one batch on the device, in what auto chose (`choice`): the ceiling; the same in float32
-    NCHW; the same compiled (torch.compile's defaults). Each row yielded as it is measured, if --rows has its kind."""
+    """train_one_epoch over one batch on the device, as auto chose (the ceiling), in float32 NCHW, and compiled."""
     cases = [("model only (the ceiling)", "model-only", choice, False),
              ("model only, float32 NCHW", "model-only", replace(choice, amp="off", channels_last=False), False),
              ("model only, torch.compile", "compile", choice, True)]  # fmt: skip
@@ -44,12 +42,10 @@ def model_rows(args, config, choice: Choice, peaks: dict, flops: float):
 
 
 def _model_only(queue, config, choice: Choice, compiled: bool, steps: int) -> None:
-    """In a fresh process: images per second of `steps` steps of train_one_epoch over one batch of random images
-    already on the device (its loader: a list of that batch, the labels on the host as a loader gives them), after
-    UNTIMED_STEPS untimed ones, the device synchronised before the clock starts and before it stops. Compiled: what
-    the first step took more than a compiled one is compile_seconds."""
+    """In a fresh process: images per second of `steps` steps over one batch already on the device, after
+    UNTIMED_STEPS; compiled, what the first step took beyond the others is compile_seconds."""
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
-    device = single_process(config.device).device  # (on a GPU: cuDNN's benchmark mode, as the scripts)
+    device = single_process(config.device).device
     training = training_for(config, choice, device, classes=5, batches_per_epoch=1, compiled=compiled)
     generator = torch.Generator().manual_seed(0)
     shape = (config.batch_size, 3, config.img_size, config.img_size)
@@ -72,8 +68,7 @@ def _model_only(queue, config, choice: Choice, compiled: bool, steps: int) -> No
 
 
 def training_for(config, choice: Choice, device, classes: int, batches_per_epoch: int, compiled=False) -> Training:
-    """What these rows train: the scripts' model (config.model, initial_model) and optimizer at their default
-    settings, computing as `choice` says; the model compiled if `compiled`."""
+    """The scripts' model (initial_model) and optimizer at their default settings, computing as `choice` says."""
     model = initial_model(config.model, classes, device, choice.memory_format)
     optimizer, _ = build_optimizer(model, config, batches_per_epoch)
     trained = torch.compile(model) if compiled else model
@@ -81,8 +76,7 @@ def training_for(config, choice: Choice, device, classes: int, batches_per_epoch
 
 
 def loader_rows(args, config, plan, workers: int):
-    """The training loader alone (if --rows has it): with 1 worker, and with the workers auto chose for the scripts
-    (at least 1: where they use none, they load between steps). Each row yielded as it is measured."""
+    """The training loader alone, with 1 worker and with the workers auto chose for the scripts (at least 1)."""
     if "loader" not in args.rows:
         return
     if workers == 0:
@@ -97,10 +91,8 @@ def loader_rows(args, config, plan, workers: int):
 
 
 def _loader(queue, config, plan, workers: int, images: int, start_method: str) -> None:
-    """In a fresh process: images per second of the training loader as the scripts build it (datasets, loaders),
-    iterated without a model, its workers started as a script's are (`start_method`). The first max(2, workers)
-    batches are not timed (the workers start); then at least `images` images, in whole rounds of `workers`
-    batches (the workers deliver in turn), over as many epochs as that takes."""
+    """In a fresh process: images per second of the scripts' training loader without a model, over at least `images`
+    images in whole rounds of `workers` batches (the workers deliver in turn), after the workers' start."""
     multiprocessing.set_start_method(start_method, force=True)
     device = torch.device(config.device)
     train_set, val_set, decoded = datasets(plan.split, config, Process(device=device))
@@ -118,14 +110,13 @@ def _loader(queue, config, plan, workers: int, images: int, start_method: str) -
 
 
 def batches_over_epochs(loader):
-    """The loader's batches, epoch after epoch without end, each epoch with its own shuffle as in training."""
+    """The loader's batches, epoch after epoch without end, each shuffled as in training."""
     for epoch in itertools.count():
         loader.batch_sampler.set_epoch(epoch)
         yield from loader
 
 
 def peer_rows(args, config, choice: Choice, peaks: dict, flops: float):
-    """The peer-style row (if --rows has it), in what auto chose."""
     if "peer" not in args.rows:
         return
     measured = in_fresh_process("peer", _peer, config, args.data_path, choice, args.epochs)
@@ -134,10 +125,8 @@ def peer_rows(args, config, choice: Choice, peaks: dict, flops: float):
 
 
 def _peer(queue, config, data_path, choice: Choice, epochs: int) -> None:
-    """In a fresh process: train_one_epoch fed by a torchvision-style loader (an ImageFolder of every image of
-    `data_path`, PIL crops and flips, ToTensor and Normalize, as many workers as cores, pinned, persistent), `epochs`
-    epochs; images per second over the epochs after the first, each from its first batch asked for to its last
-    step done on the device."""
+    """In a fresh process: train_one_epoch fed by a torchvision-style loader (ImageFolder, PIL, a worker per core,
+    pinned); images per second over the epochs after the first."""
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = single_process(config.device).device
     augment = T.Compose([T.RandomResizedCrop(config.img_size), T.RandomHorizontalFlip(), T.ToTensor(),
@@ -158,9 +147,8 @@ def _peer(queue, config, data_path, choice: Choice, epochs: int) -> None:
 
 
 def in_fresh_process(name: str, target, *args) -> dict:
-    """What `target(queue, *args)` puts on the queue, run in a new process forked from multiprocessing's
-    forkserver: a process that has imported this module (torch with it) and run nothing, so that a row does not
-    spend seconds importing torch anew."""
+    """What `target(queue, *args)` puts on the queue, run in a process forked from a forkserver that has imported
+    this module (and torch): no row spends seconds importing torch anew."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         # By its name: Python 3.11's forkserver does not preload "__main__" from a script's path

@@ -1,17 +1,11 @@
 #!/usr/bin/env bash
-# What to run on a lent GPU machine, in one command from the repository root, with the machine's own python3
-# (nothing installed), as a list of steps, each one argument (its words split as a shell would):
-#
-#     bash tools/gpu_run.sh                     # the next session's first command (DEFAULT_STEPS below)
-#     bash tools/gpu_run.sh "tests quick 90 tests/test_gpu.py -m gpu -k 'evaluate or data_parallel'" \
-#                           "bench b256 240 --batch-size 256 --rows model-only,compile,profile"
-#
-#   tests NAME LIMIT PYTEST_ARGS...   pytest, its output into $OUT/tests.log
-#   bench NAME LIMIT FLAGS...         tools/benchmark.py on the JPEG folder: $OUT/benchmark_NAME.json (kept up to date
-#                                     while it runs), $OUT/profile_NAME.json.gz, its runs' logs into $OUT/bench.log
+# What a lent GPU machine runs, from the repository root with the machine's own python3 (nothing installed): the
+# steps given, each one argument split as a shell would, or DEFAULT_STEPS. docs/gpu-runs.md ("The runner") has an
+# example, what each step writes to $OUT, and a dry run on a CPU.
+#   tests NAME LIMIT PYTEST_ARGS...   pytest, into $OUT/tests.log
+#   bench NAME LIMIT FLAGS...         tools/benchmark.py on the JPEGs: $OUT/benchmark_NAME.json, profile_NAME.json.gz
 #   run NAME LIMIT SCRIPT FLAGS...    a training script on the JPEG folder, timed to its end: $OUT/run_NAME.jsonl
-# Each step gets LIMIT seconds at most, within GPU_RUN_BUDGET; the machine is described in $OUT/summary.log, which
-# gets every step's status and seconds. docs/gpu-runs.md ("The runner") has the details and a dry run on a CPU.
+# Each step gets LIMIT seconds at most, within GPU_RUN_BUDGET; $OUT/summary.log gets the machine and each step's end.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -53,8 +47,7 @@ limit_of() { # limit_of LIMIT: LIMIT, or what is left of the budget less 15 s, w
 copy_new() { # copy_new FROM TO: FROM, if it exists and differs from TO, copied whole to TO (written beside, renamed)
     [ -f "$1" ] && ! cmp -s "$1" "$2" && cp "$1" "$OUT/.copying" && mv -f "$OUT/.copying" "$2"
 }
-run_logs() { # run_logs FOLDER: the logs of a benchmark's or a run's scripts, into bench.log (progress bars left out
-    # but for their 100 % lines)
+run_logs() { # run_logs LOGS...: into bench.log, progress bars left out but for their 100 % lines
     for log in "$@"; do
         [ -f "$log" ] || continue
         echo "----- $log"
@@ -108,7 +101,7 @@ tests_step() { # tests NAME LIMIT PYTEST_ARGS...
     before=$(wc -l <"$log")
     timeout -s INT -k 15 "$limit" "${command[@]}" 2>&1 | tee -a "$log"
     local status=$?
-    local outcome # pytest's last line: its counts of passed, failed, skipped tests and its time
+    local outcome # pytest's last line
     outcome=$(tail -n +$((before + 1)) "$log" |
         grep -E '(passed|failed|skipped|error|deselected|no tests ran).* in [0-9.]+s' | tail -n 1)
     ended "tests $name (${outcome:-no outcome})" "$status" "$started"

@@ -3,12 +3,9 @@
     python3 tools/make_flower_jpegs.py /tmp/flower_photos_synthetic          # 633/898/641/699/799 JPEGs
     python3 tools/make_flower_jpegs.py /tmp/flowers_small --scale 0.01       # 1 % of each class: a quick check
 
-As flower_photos: the same class names and counts, landscape JPEGs of 320x240 to 500x375 pixels (each side drawn
-at random in that range), with the texture of photos (blurred flowers on a noisy, shaded background, sensor grain),
-so that decoding and resizing cost about what real photos cost. Not meant to be learned from, though each class has
-its own colours and shapes. The same --seed gives the same files. Self-contained (PIL and numpy, nothing from the
-project), one image per task over --workers processes; the folder appears whole or not at all (written beside it
-under a temporary name, then renamed), and an existing folder is left as it is.
+Landscape JPEGs of 320x240 to 500x375 with the texture of photos (blurred flowers on a shaded background, grain),
+so that decoding and resizing cost what real photos cost. Self-contained (PIL and numpy, nothing from the project).
+The folder appears whole or not at all; an existing one is left as it is.
 """
 
 import argparse
@@ -24,7 +21,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-# flower_photos: class folders and their number of photos (3,670 in all)
 CLASSES = {"daisy": 633, "dandelion": 898, "roses": 641, "sunflowers": 699, "tulips": 799}
 MIN_SIZE, MAX_SIZE = (320, 240), (500, 375)
 # Per class: petal colours (RGB), centre colour, petals per flower, petal length and width (fractions of radius)
@@ -43,7 +39,7 @@ def image_size(rng: np.random.Generator) -> tuple[int, int]:
 
 
 def background(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
-    """A vertical colour gradient with large soft blotches (foliage, sky, out-of-focus shapes), HxWx3 float."""
+    """A vertical colour gradient with large soft blotches, HxWx3 float."""
     top, bottom = (np.array(c, dtype=np.float32) for c in BACKGROUNDS[rng.integers(len(BACKGROUNDS))])
     t = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None, None]
     image = np.broadcast_to(top * (1 - t) + bottom * t, (height, width, 3)).copy()
@@ -61,7 +57,7 @@ def draw_flower(draw: ImageDraw.ImageDraw, rng: np.random.Generator, kind: str, 
         angle = turn + 2 * math.pi * i / petals + rng.normal(0, 0.08)
         px, py = x + math.cos(angle) * r * (1 - length / 2), y + math.sin(angle) * r * (1 - length / 2)
         half_l, half_b = r * length / 2, r * breadth
-        # a petal: a quadrilateral along its angle, softened later by the blur
+        # a quadrilateral along its angle, softened later by the blur
         ca, sa = math.cos(angle), math.sin(angle)
         points = [
             (px - ca * half_l, py - sa * half_l),
@@ -76,7 +72,7 @@ def draw_flower(draw: ImageDraw.ImageDraw, rng: np.random.Generator, kind: str, 
 
 
 def make_image(task: tuple) -> int:
-    """Draw one JPEG; returns its size in bytes. `task`: (folder, kind, class number, index, seed)."""
+    """Draw one JPEG of `task` (folder, kind, class number, index, seed); returns its size in bytes."""
     folder, kind, class_number, index, seed = task
     rng = np.random.default_rng([seed, class_number, index])
     width, height = image_size(rng)

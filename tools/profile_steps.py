@@ -2,10 +2,8 @@
 
     python tools/profile_steps.py --epoch 1 --steps 10 --trace-dir DIR train_single_gpu.py --data-path ... FLAGS
 
-runs the script in this process, its module's train_one_epoch wrapped so that epoch --epoch (the second: the
-first pays one-off costs) has its first --steps steps traced, from its first batch asked for. It writes the trace
-(DIR/profile_trace.json.gz: open it in https://ui.perfetto.dev or chrome://tracing) and its summary (summary_of;
-DIR/profile_summary.json), and prints the summary. tools/benchmark.py --rows profile runs it on train_single_gpu.py.
+runs the script in this process, its train_one_epoch wrapped so that epoch --epoch has its first --steps steps
+traced; docs/performance.md ("A profile of the real loop") says what it writes and prints.
 """
 
 import argparse
@@ -22,19 +20,18 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the project's modules, for `python tools/profile_steps.py` from anywhere
+sys.path.insert(0, str(ROOT))  # for `python tools/profile_steps.py` from anywhere
 
 from utils import UserError, entry_point, write_json  # noqa: E402
 
 TRACE_NAME, SUMMARY_NAME = "profile_trace.json.gz", "profile_summary.json"
 TOP_OPERATIONS = 12
-STEP_PREFIX = "ProfilerStep"  # the span torch.profiler marks around each step (profile.step()): "ProfilerStep#3"
+STEP_PREFIX = "ProfilerStep"  # the span profile.step() marks around each step: "ProfilerStep#3"
 
 
 class ProfiledBatches:
-    """`total` batches of `batches` (an iterator; default total: skip + steps), as train_one_epoch takes a loader (it
-    asks for their number): the profiler is told, as each batch is asked for, that a step begins (so a traced step
-    holds its batch's wait), and its schedule skips the first `skip` and traces the next `steps`."""
+    """`total` batches of the iterator `batches` (default: skip + steps), with a length as a loader has; each batch
+    asked for begins a profiler step, so a traced step holds its batch's wait."""
 
     def __init__(self, batches, skip: int, steps: int, profiler: profile, total: int | None = None):
         self.batches, self.total, self.profiler = batches, skip + steps if total is None else total, profiler
@@ -49,12 +46,12 @@ class ProfiledBatches:
 
 
 def traced(run, batches, skip: int, steps: int, device: torch.device, folder: Path, total=None) -> dict:
-    """Run `run(ProfiledBatches(...))` (the training loop over `batches`) with the profiler tracing batches `skip`
-    to `skip + steps - 1`; writes the trace to folder/TRACE_NAME and returns its summary (summary_of)."""
+    """Run the loop `run` over ProfiledBatches, tracing batches `skip` to `skip + steps - 1`; writes the trace to
+    folder/TRACE_NAME and returns its summary (summary_of)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     found = {}
 
-    def ready(profiler: profile) -> None:  # when the traced steps end: the trace written, the summary taken
+    def ready(profiler: profile) -> None:  # when the traced steps end
         path = folder / TRACE_NAME
         profiler.export_chrome_trace(str(path))  # a name ending in .gz: torch writes it gzipped
         found.update(summary_of(profiler.events(), device), trace=str(path), trace_bytes=path.stat().st_size)
@@ -67,8 +64,7 @@ def traced(run, batches, skip: int, steps: int, device: torch.device, folder: Pa
 
 
 def traced_epoch(train_one_epoch, epoch: int, steps: int, folder: Path, found: dict):
-    """`train_one_epoch`, the first `steps` steps of its epoch `epoch` traced (`traced`, the summary into `found`);
-    the epochs, that one included, train as they did."""
+    """`train_one_epoch`, the first `steps` steps of epoch `epoch` traced (the summary into `found`)."""
 
     def wrapped(training, data_loader, device, this_epoch, *args):
         if this_epoch != epoch:
@@ -90,7 +86,7 @@ def main(argv=None):
     p.add_argument("script", type=Path, help="a training script whose loop runs in its own process")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="the script's flags")
     args = p.parse_args(argv)
-    # the script's own namespace, its main not yet called (run_path returns a copy of it: its functions' is the one)
+    # the script's namespace, main not yet called (run_path returns a copy: its functions' globals are the one)
     script = inspect.unwrap(runpy.run_path(str(args.script), run_name="profiled")["main"]).__globals__
     found = {}
     args.trace_dir.mkdir(parents=True, exist_ok=True)
@@ -103,11 +99,8 @@ def main(argv=None):
 
 
 def summary_of(events, device: torch.device) -> dict:
-    """What a profile says (its FunctionEvents): the traced steps' seconds (their spans on the CPU, as the loop
-    went), the device's idle seconds between its kernels and copies within them (None on the CPU, where the process
-    computes itself), the seconds the process waited for batches, the first step's milliseconds against the median
-    of the others' (an epoch's start), and the top operations by their own time on the device (on the CPU: the
-    process's)."""
+    """What a profile's FunctionEvents say: the traced steps' seconds, the GPU's idle time within them (None on the
+    CPU), the time spent waiting for batches, each step's milliseconds, and the top operations."""
     steps = sorted(
         (e for e in events if e.name.startswith(STEP_PREFIX) and e.device_type == DeviceType.CPU),
         key=lambda e: e.time_range.start,
@@ -137,8 +130,8 @@ def summary_of(events, device: torch.device) -> dict:
 
 
 def is_device_work(event) -> bool:
-    """A kernel, copy or memset on the GPU: not an annotation that torch.profiler marks on the GPU's timeline (a
-    step's span, the optimizer's step, ...), which spans the work and the idle time between."""
+    """A kernel, copy or memset on the GPU, not an annotation on its timeline (a step's span, the optimizer's step),
+    which spans the idle time too."""
     return (
         event.device_type == DeviceType.CUDA
         and not getattr(event, "is_user_annotation", False)
@@ -158,18 +151,12 @@ def covered(intervals: list[tuple[float, float]], start: float, end: float) -> f
 
 
 def top_operations(events, on_gpu: bool) -> list[dict]:
-    """The TOP_OPERATIONS operations (kernels, on a GPU) that took most of their own time, with their calls and
-    milliseconds, and their share of all such time."""
+    """The TOP_OPERATIONS operations (on a GPU, kernels) that took most of their own time, with their share."""
     totals: dict[str, list] = {}
     for event in events:
-        if event.name.startswith(STEP_PREFIX):
+        if event.name.startswith(STEP_PREFIX) or on_gpu and not is_device_work(event):
             continue
-        if on_gpu:
-            if not is_device_work(event):
-                continue
-            own = event.time_range.elapsed_us()
-        else:
-            own = event.self_cpu_time_total
+        own = event.time_range.elapsed_us() if on_gpu else event.self_cpu_time_total
         entry = totals.setdefault(event.name, [0, 0.0])
         entry[0] += 1
         entry[1] += own
@@ -201,7 +188,7 @@ def printed(found: dict) -> str:
 
 
 def trace_events(path: Path) -> list[dict]:
-    """The events of a trace written by `traced` (for tests and for reading it without a browser)."""
+    """The events of a trace written by `traced`."""
     with gzip.open(path, "rt") as f:
         return json.load(f)["traceEvents"]
 

@@ -1,8 +1,6 @@
-"""The benchmark's rows that run the scripts as a user does, each in a new interpreter (or group of processes):
-train_single_gpu.py with auto (first: the other rows compute as it chose), as the original ran (baseline), in fixed
-precisions and layouts, with its batches made where auto did not choose (paths), profiled (tools/profile_steps.py);
-the two DDP scripts; the demo; predict.py. A training row's figures are its run's metrics.jsonl, averaged over the
-epochs after the first."""
+"""The benchmark's rows that run the scripts as a user does, each in a new interpreter: train_single_gpu.py (auto,
+baseline, fixed, paths, profile), the two DDP scripts, the demo and predict.py. A training row's figures are its
+run's metrics.jsonl, averaged over the epochs after the first."""
 
 import json
 import os
@@ -28,8 +26,7 @@ FIXED = {"float32-nchw": ("off", False), "float32-channels_last": ("off", True),
 
 
 def auto_run(args) -> tuple[dict, Choice]:
-    """train_single_gpu.py as a user runs it, what --amp and --channels-last leave to auto measured in this, its
-    first run here: its figures (with measure_seconds: what measuring took) and what auto chose."""
+    """train_single_gpu.py's first run here, auto measuring: its figures (and measure_seconds) and what auto chose."""
     measured = run_script(args, "auto", SINGLE, ["--amp", args.amp, *layout_flags(args.channels_last)])
     measured["measure_seconds"] = measuring_seconds(args.img_size, args.batch_size)
     log = (args.output_dir / "logs" / "auto.log").read_text()
@@ -38,15 +35,13 @@ def auto_run(args) -> tuple[dict, Choice]:
 
 
 def chosen(args, name: str) -> Choice:
-    """How the run `name` computed, as its args.json records what auto chose for it (a DDP run measures on its own
-    share of the cores, and may choose otherwise): precision, layout, micro-batch, where batches were made."""
+    """How the run `name` computed, as its args.json records (a DDP run may choose otherwise than auto's row)."""
     record = json.loads((args.output_dir / "runs" / name / "args.json").read_text())
     return Choice(record["amp"], record["channels_last"], record["micro_batch"], record["batches"])
 
 
 def measuring_seconds(img_size: int, batch_size: int) -> float | None:
-    """What auto's measuring took in the first single-process run at this size (from the benchmark's own cache of
-    auto's choices); None if that run measured nothing (every choice given by a flag)."""
+    """What auto's measuring took in the first single-process run at this size; None if it measured nothing."""
     for entry in read_entries(cache_file()):
         key = entry.get("key", {})
         if (key.get("img_size"), key.get("batch_size"), key.get("processes_here")) == (img_size, batch_size, 1):
@@ -55,9 +50,7 @@ def measuring_seconds(img_size: int, batch_size: int) -> float | None:
 
 
 def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
-    """The training scripts end to end but auto's run (measured first), each row yielded as it is measured (those of
-    the kinds in --rows): the original's setup, the fixed configurations, the other batch path, the two DDP scripts
-    (precision and layout left to auto, which measures for them anew) and the demo."""
+    """The training scripts end to end but auto's run: baseline, fixed, paths, the DDP scripts and the demo."""
     if "baseline" in args.rows:
         original = Choice(workers=min(os.cpu_count() or 1, args.batch_size, 8))  # float32, NCHW, its num_workers
         measured = run_script(args, "baseline", SINGLE, [*choice_flags(original), "--no-persistent-workers"])
@@ -76,9 +69,7 @@ def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
 
 
 def path_rows(args, choice: Choice, peaks: dict, flops: float):
-    """train_single_gpu.py with its batches made where auto did not choose to make them (the device, or the loader
-    with its workers left to auto), if --rows has "paths", in auto's precision and layout; a path the script
-    refuses here (the images do not fit on the device, say) is left out with the script's line saying why."""
+    """train_single_gpu.py with its batches made where auto did not choose; a path the script refuses is left out."""
     if "paths" not in args.rows:
         return
     for path in {"device", "loader"} - {choice.batches}:
@@ -93,7 +84,7 @@ def path_rows(args, choice: Choice, peaks: dict, flops: float):
 
 
 def ddp_rows(args, nprocs: int, peaks: dict, flops: float):
-    """The two DDP launch scripts with `nprocs` processes, as the auto row (if --rows has their kinds)."""
+    """The two DDP launch scripts with `nprocs` processes, as the auto row."""
     ours = ["--amp", args.amp, *layout_flags(args.channels_last)]
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
     launches = {
@@ -107,9 +98,8 @@ def ddp_rows(args, nprocs: int, peaks: dict, flops: float):
 
 
 def profile_rows(args, choice: Choice):
-    """train_single_gpu.py as auto chose, its second epoch's first --profile-steps steps traced (if --rows has
-    "profile"): the trace in --output-dir, its summary printed; the row's img/s is the traced steps' (the
-    profiler's own cost included)."""
+    """train_single_gpu.py as auto chose, its second epoch's first --profile-steps steps traced; the row's img/s is
+    the traced steps' (the profiler's cost included)."""
     if "profile" not in args.rows:
         return
     tracer = [str(ROOT / "tools" / "profile_steps.py"), "--epoch", "1", "--steps", str(args.profile_steps)]
@@ -125,25 +115,22 @@ def profile_rows(args, choice: Choice):
 
 
 def choice_flags(choice: Choice) -> list[str]:
-    """The scripts' flags that train as `choice` says (its micro-batch, where it has none, left to auto)."""
+    """The scripts' flags that train as `choice` says."""
     flags = ["--amp", choice.amp, *layout_flags(choice.channels_last), "--workers", str(choice.workers)]
     flags += ["--batches", choice.batches]
     return flags + (["--micro-batch", str(choice.micro_batch)] if choice.micro_batch else [])
 
 
 def layout_flags(channels_last: bool | None) -> list[str]:
-    """The flag for a layout (none for None: auto's)."""
     return [] if channels_last is None else ["--channels-last" if channels_last else "--no-channels-last"]
 
 
 def settings_flags(args) -> list[str]:
-    """The scripts' flags for the benchmark's model, crop size and batch size."""
     return ["--model", args.model, "--img-size", str(args.img_size), "--batch-size", str(args.batch_size)]
 
 
 def run_script(args, name: str, script: list, flags: list, demo: bool = False) -> dict:
-    """Train with a script (`script`: what follows `python`) on the benchmark's data and settings, or (`demo`) as
-    --demo does, `flags` last; speed and memory from the metrics.jsonl it writes."""
+    """Train with `script` (what follows `python`) on the benchmark's data, or as --demo does; its figures."""
     out = args.output_dir / "runs" / name
     command = [sys.executable, *script, "--output-dir", str(out), "--device", args.device]
     if not demo:
@@ -164,7 +151,7 @@ def run_script(args, name: str, script: list, flags: list, demo: bool = False) -
 
 
 def logged_run(args, name: str, command: list) -> float:
-    """Run `command`, its output to --output-dir/logs/NAME.log; its wall seconds, or UserError if it fails."""
+    """Run `command`, its output to --output-dir/logs/NAME.log; its wall seconds."""
     log = args.output_dir / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"  {name}: {' '.join(command[1:])}", flush=True)
@@ -177,9 +164,8 @@ def logged_run(args, name: str, command: list) -> float:
 
 
 def predict_rows(args, nprocs: int, measured: list[dict]):
-    """predict.py after training (if --rows has it): in one process, then with `nprocs` under torchrun, on every
-    image of the data with auto's weights, each row yielded as it is measured. Beside each, the model-only ceiling
-    from the rows `measured` so far: what scoring an image costs against learning it."""
+    """predict.py with auto's weights, in one process and in `nprocs` under torchrun, beside the model-only ceiling
+    of the rows `measured` so far."""
     if "predict" not in args.rows:
         return
     ceiling = next((row["img_per_sec"] for row in measured if row["kind"] == "model-only"), None)
@@ -192,8 +178,7 @@ def predict_rows(args, nprocs: int, measured: list[dict]):
 
 
 def run_predict(args, name: str, script: list) -> dict:
-    """predict.py (`script`: what follows `python`) with auto's best weights on the benchmark's data, into a
-    results file; its speed from the line it ends with ("... (24.0 images/s, ...)")."""
+    """predict.py (`script`: what follows `python`) with auto's best weights; its speed from its last line."""
     weights = args.output_dir / "runs" / "auto" / "weights" / "best.pth"
     results = args.output_dir / "runs" / f"{name}.csv"
     command = [sys.executable, *script, str(args.data_path), "--weights", str(weights), "--results", str(results)]

@@ -1,9 +1,6 @@
-"""Start-up against the size of the data (tools/benchmark.py --startup-sizes 1000,10000,100000).
-
-For each size, a generated folder of that many 32x32 JPEGs (made once into TMPDIR/benchmark_startup/): the seconds
-from starting train_single_gpu.py until its loop asks for its first batch, in a new run folder (cold; then killed,
-as a preemption) and restarted with --auto-resume (warm); and the parts of start-up that grow with the data, each
-timed alone in this process. docs/performance.md ("Start-up") says what each column measures.
+"""Start-up against the size of the data (tools/benchmark.py --startup-sizes 1000,10000,100000): for each size, the
+seconds until train_single_gpu.py's first step, cold and restarted, and the parts that grow with the data.
+docs/performance.md ("Start-up") says what each column measures.
 """
 
 import argparse
@@ -38,11 +35,19 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(tempfile.gettempdir()) / "benchmark_startup"
 CLASSES = 10
 FIRST_STEP = b"[epoch 0] train"  # train_one_epoch's progress bar, shown as its loop asks for the first batch
-# Precision, layout and loader workers given, so that no run measures them (auto's measuring is a cost of the
-# machine, paid once and remembered, not of the data; and the benchmark leaves the user's record of it alone).
+# Every choice given, so that auto does not measure: its measuring is a cost of the machine, not of the data
 IMG_SIZE = 32
 FLAGS = ["--img-size", str(IMG_SIZE), "--batch-size", "8", "--epochs", "1", "--workers", "0", "--amp", "off"]
 FLAGS += ["--no-channels-last"]
+COLUMNS = {  # a row's key: the table's heading, the figure's format
+    "images": ("images", ","), "first_step_cold_s": ("to first step, cold (s)", ".1f"),
+    "first_step_warm_s": ("warm (s)", ".1f"), "listing_s": ("listing (s)", ".2f"),
+    "check_cold_s": ("check, cold (s)", ".2f"), "check_warm_s": ("check, warm (s)", ".2f"),
+    "split_fingerprint_s": ("split_fingerprint (s)", ".2f"), "decode_once_s": ("decode once (s)", ".2f"),
+    "decoded_gb": ("decoded (GB)", ".2f"), "decode_2_each_s": ("2 processes: each decodes (s)", ".2f"),
+    "decode_2_shared_s": ("2 processes: decoded once (s)", ".2f"),
+    "checked_images_mb": ("checked_images.json (MB)", ".1f"), "split_pickled_mb": ("split pickled (MB)", ".1f"),
+}  # fmt: skip
 
 
 def image_counts(text: str) -> list[int]:
@@ -57,7 +62,7 @@ def image_counts(text: str) -> list[int]:
 
 
 def startup_benchmark(counts: list[int], output_dir: Path, device: str) -> None:
-    """Measure start-up at each of `counts` images; print the table and write startup.json to `output_dir`."""
+    """Measure start-up at each of `counts` images; print the table and write `output_dir`/startup.json."""
     if (output_dir / "startup.json").exists():
         raise UserError(f"{output_dir} already holds a start-up benchmark: choose another --output-dir or remove it")
     machine = f"{describe_cpu()}; {device}"
@@ -73,7 +78,7 @@ def startup_benchmark(counts: list[int], output_dir: Path, device: str) -> None:
         written = (run / CHECKED_IMAGES).stat().st_mtime_ns
         command.append("--auto-resume")
         row["first_step_warm_s"] = seconds_to_first_step(command, output_dir / "logs" / f"startup-{count}-warm.log")
-        assert (run / CHECKED_IMAGES).stat().st_mtime_ns == written, "the restart decoded images"  # none changed
+        assert (run / CHECKED_IMAGES).stat().st_mtime_ns == written, "the restart decoded images"
         rows.append(row)
         print(f"  {count} images: {row['first_step_cold_s']:.1f} s cold, {row['first_step_warm_s']:.1f} s warm")
     record = {"machine": machine, "date": datetime.date.today().isoformat(), "torch": torch.__version__}
@@ -82,8 +87,7 @@ def startup_benchmark(counts: list[int], output_dir: Path, device: str) -> None:
 
 
 def small_images(folder: Path, count: int) -> Path:
-    """`folder`, holding `count` 32x32 JPEGs in CLASSES class folders (each a noisy shade of its class's colour),
-    made the first time (beside it under a temporary name, then renamed: whole or not at all)."""
+    """`folder`, holding `count` 32x32 JPEGs in CLASSES class folders, made whole the first time."""
     if folder.exists():
         return folder
     print(f"  generating {count} images into {folder} (once)", flush=True)
@@ -102,7 +106,7 @@ def small_images(folder: Path, count: int) -> Path:
 
 
 def startup_parts(data: Path) -> dict:
-    """The parts of start-up that grow with the data, each timed once in this process (see the module's text)."""
+    """The parts of start-up that grow with the data, each timed once in this process."""
     with tempfile.TemporaryDirectory() as run:
         listing, _ = timed(read_split_data, data)
         cold_check = ImageCheck(data, Path(run))
@@ -112,10 +116,7 @@ def startup_parts(data: Path) -> dict:
         warm, _ = timed(read_split_data, data, verify_images=warm_check)
         assert cold_check.decoded == len(split.train_images) + len(split.val_images) and warm_check.decoded == 0
         fingerprint, _ = timed(split_fingerprint, split, data)
-        sets = [
-            MyDataSet(split.train_images, split.train_labels, train_transform(IMG_SIZE)),
-            MyDataSet(split.val_images, split.val_labels, val_transform(IMG_SIZE)),
-        ]
+        sets = training_sets(split, IMG_SIZE)
         decoding, line = timed(decode_once, sets, None)
         if any(data.decoded is None for data in sets):
             raise UserError(f"the start-up benchmark's images were not decoded into memory: {line}")
@@ -128,10 +129,8 @@ def startup_parts(data: Path) -> dict:
 
 
 def decoding_in_two_processes(data: Path, img_size: int = IMG_SIZE) -> dict:
-    """Seconds until two training processes on this machine (a gloo group, started by spawn) both hold every image
-    of `data` decoded for training at `img_size`, the slower one's: as before 2026-11-27, each decoding all of them
-    on its half of the cores (decode_here), and as decode_once does now, the first decoding them on all the cores
-    for both."""
+    """Seconds until two processes of a gloo group both hold every image of `data` decoded, each decoding all of them
+    on its half of the cores (decode_here), and the first decoding them for both (decode_once)."""
     with tempfile.TemporaryDirectory() as folder:
         mp.start_processes(
             decode_in_rank, args=(find_free_port(), data, img_size, Path(folder)), nprocs=2, start_method="spawn"
@@ -148,10 +147,7 @@ def decode_in_rank(rank: int, port: int, data: Path, img_size: int, folder: Path
         split = read_split_data(data)
 
         def decoded(decode, *args) -> float:
-            sets = [
-                MyDataSet(split.train_images, split.train_labels, train_transform(img_size)),
-                MyDataSet(split.val_images, split.val_labels, val_transform(img_size)),
-            ]
+            sets = training_sets(split, img_size)
             wait_for_all()
             seconds, _ = timed(lambda: (decode(sets, None, *args), wait_for_all()))
             assert all(data.decoded is not None for data in sets), "the images were not decoded into memory"
@@ -164,6 +160,13 @@ def decode_in_rank(rank: int, port: int, data: Path, img_size: int, folder: Path
         dist.destroy_process_group()
 
 
+def training_sets(split, img_size: int) -> list[MyDataSet]:
+    return [
+        MyDataSet(split.train_images, split.train_labels, train_transform(img_size)),
+        MyDataSet(split.val_images, split.val_labels, val_transform(img_size)),
+    ]
+
+
 def timed(function, *args, **kwargs):
     start = time.perf_counter()
     result = function(*args, **kwargs)
@@ -171,7 +174,7 @@ def timed(function, *args, **kwargs):
 
 
 def seconds_to_first_step(command: list[str], log: Path) -> float:
-    """Seconds from starting `command` until it prints FIRST_STEP; then it is killed. Its output goes to `log`."""
+    """Seconds from starting `command` until it prints FIRST_STEP; then it is killed, its output in `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     process = subprocess.Popen(
@@ -196,18 +199,6 @@ def seconds_to_first_step(command: list[str], log: Path) -> float:
 
 
 def startup_table(rows: list[dict]) -> str:
-    lines = [
-        "| images | to first step, cold (s) | warm (s) | listing (s) | check, cold (s) | check, warm (s) "
-        "| split_fingerprint (s) | decode once (s) | decoded (GB) | 2 processes: each decodes (s) | 2 processes: "
-        "decoded once (s) | checked_images.json (MB) | split pickled (MB) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['images']:,} | {r['first_step_cold_s']:.1f} | {r['first_step_warm_s']:.1f} | {r['listing_s']:.2f} "
-            f"| {r['check_cold_s']:.2f} | {r['check_warm_s']:.2f} | {r['split_fingerprint_s']:.2f} "
-            f"| {r['decode_once_s']:.2f} | {r['decoded_gb']:.2f} | {r['decode_2_each_s']:.2f} "
-            f"| {r['decode_2_shared_s']:.2f} "
-            f"| {r['checked_images_mb']:.1f} | {r['split_pickled_mb']:.1f} |"
-        )
+    lines = ["| " + " | ".join(heading for heading, _ in COLUMNS.values()) + " |", "|" + "---:|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(f"{row[key]:{form}}" for key, (_, form) in COLUMNS.items()) + " |" for row in rows]
     return "\n".join(lines)
