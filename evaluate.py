@@ -6,9 +6,7 @@ python evaluate.py --weights best.pth --results val.csv                        #
 torchrun --nproc_per_node=2 evaluate.py --weights best.pth                     # DDP, torchrun
 python evaluate.py --weights best.pth --world-size 2                           # DDP, spawn
 
-The data folder, validation rate, seed and image size default to the run's own (its args.json), so the split is
-the one the run validated on. Writes eval.json and confusion_matrix.png. Under DDP each process scores its share
-and the counts are summed, each image counted once. docs/trained-models.md says more.
+Flags left out default to the run's own (args.json), so the split is the one it validated on (docs/trained-models.md).
 """
 
 from dataclasses import dataclass
@@ -25,14 +23,7 @@ from inference.results import add_results_arguments, check_results_file, results
 from inference.scoring import add_scoring_arguments, join_group, rows_of, scored_batches, spawned_world_size
 from inference.trained import add_model_arguments, image_loader, load_trained_model
 from multi_train_utils.bookkeeping import Tally
-from multi_train_utils.distributed_utils import (
-    cleanup,
-    is_main_process,
-    on_main_process,
-    print_once,
-    val_shard,
-    warn_once,
-)
+from multi_train_utils.distributed_utils import cleanup, is_main_process, on_main_process, val_shard
 from multi_train_utils.spawn_utils import choose_meeting_point, report_failures, run_workers
 from plot_results import save_png
 from utils import (
@@ -53,26 +44,15 @@ TOPK = 5  # top-5 accuracy, reported with more classes than this only (else alwa
 
 
 def per_class_scores(confusion: torch.Tensor) -> dict[str, list]:
-    """Precision, recall, F1 and support of each class, from a confusion matrix (rows: true class); 0.0, not 0/0,
-    where a class was never predicted or has no images."""
-    correct = confusion.diagonal().double()
-    predicted, support = confusion.sum(dim=0), confusion.sum(dim=1)
-    # correct <= predicted and correct <= support, so dividing by at least 1 changes only the 0/0 cases, to 0.0
-    return {
+    """Precision, recall, F1 and support per class of a confusion matrix (rows: true class); 0.0 where 0/0."""
+    correct, predicted, support = confusion.diagonal().double(), confusion.sum(dim=0), confusion.sum(dim=1)
+    return {  # correct <= predicted and <= support: clamping to 1 changes only the 0/0 cases
         "precision": (correct / predicted.clamp(min=1)).tolist(),
         "recall": (correct / support.clamp(min=1)).tolist(),
         # 2PR/(P+R) in counts: 2 correct/(predicted + support), exact
         "f1": (2 * correct / (predicted + support).clamp(min=1)).tolist(),
         "support": support.tolist(),
     }
-
-
-def print_table(classes: list[str], scores: dict[str, list]) -> None:
-    width = max(len("class"), *map(len, classes))
-    print(f"{'class':<{width}}  precision  recall     f1  support")
-    columns = (scores["precision"], scores["recall"], scores["f1"], scores["support"])
-    for name, precision, recall, f1, support in zip(classes, *columns, strict=True):
-        print(f"{name:<{width}}  {precision:9.3f}  {recall:6.3f}  {f1:5.3f}  {support:7d}")
 
 
 def plot_confusion_matrix(confusion: torch.Tensor, classes: list[str], title: str, path: Path) -> None:
@@ -94,25 +74,20 @@ def plot_confusion_matrix(confusion: torch.Tensor, classes: list[str], title: st
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
-    add_model_arguments(parser)
-    parser.add_argument("--data-path", type=Path, help="folder with one sub-folder per class (default: the run's)")
-    parser.add_argument(
-        "--val-rate",
-        type=number(float, 0, 1, above_minimum=True),
-        help="fraction of each class held out for validation (default: the run's, else 0.2; a folder of train/ and "
-        "val/ is used as given)",
-    )
-    parser.add_argument("--seed", type=number(int, 0), help="seed of the split (default: the run's, else 0)")
-    parser.add_argument(
+    p = Parser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    add_model_arguments(p)
+    p.add_argument("--data-path", type=Path, help="folder with one sub-folder per class (default: the run's)")
+    p.add_argument("--val-rate", type=number(float, 0, 1, above_minimum=True),
+                   help="fraction of each class held out for validation (default: the run's, else 0.2; a folder of "
+                   "train/ and val/ is used as given)")  # fmt: skip
+    p.add_argument("--seed", type=number(int, 0), help="seed of the split (default: the run's, else 0)")
+    p.add_argument(
         "--all", action="store_true", help="evaluate every image of the data folder instead of the validation split"
     )
-    parser.add_argument(
-        "--output-dir", type=Path, help="where eval.json and confusion_matrix.png go (default: RUN/eval)"
-    )
-    add_results_arguments(parser)
-    add_scoring_arguments(parser)
-    return parser.parse_args(argv)
+    p.add_argument("--output-dir", type=Path, help="where eval.json and confusion_matrix.png go (default: RUN/eval)")
+    add_results_arguments(p)
+    add_scoring_arguments(p)
+    return p.parse_args(argv)
 
 
 @dataclass
@@ -137,9 +112,7 @@ def plan(args, trained) -> Evaluation:
     val_rate, seed = trained.setting("val_rate", args.val_rate), trained.setting("seed", args.seed)
     output_dir = args.output_dir or trained.run_folder / "eval"
     check_writable(output_dir)
-
-    # Split as training did: unreadable images left out first (ImageCheck reuses the run's verdicts). With --all an
-    # unreadable image is found as it is scored, and reported in its row.
+    # Split as training did, unreadable images out first; with --all each is found as it is scored, and reported
     verify = False if args.all else ImageCheck(data_path, trained.run_folder)
     split = read_split_data(data_path, val_rate, seed, verify_images=verify)
     if split.classes != trained.classes:
@@ -150,21 +123,15 @@ def plan(args, trained) -> Evaluation:
             verify.save(trained.run_folder, merge=True)
         except OutputError as error:  # a run folder this user may not write: its images are checked again next time
             warn(f"{error}: the verdicts of its images are not kept")
-    images, labels, used, announcement = chosen_images(args, split, data_path, val_rate, seed)
-    return Evaluation(images, labels, used, announcement, split.unreadable, output_dir)
-
-
-def chosen_images(args, split, data_path, val_rate: float, seed: int) -> tuple[list, list, dict, str]:
-    """The images to evaluate, their labels, eval.json's "split", and the line that says which they are."""
+    used = {"images": "all" if args.all else "validation", "data_path": str(data_path)}  # eval.json's "split"
     if args.all:
         images, labels = split.train_images + split.val_images, split.train_labels + split.val_labels
         line = f"Evaluating {args.weights} on all {len(images)} images of {data_path}"
-        return images, labels, {"images": "all", "data_path": str(data_path)}, line
-    line = f"Evaluating {args.weights} on the {len(split.val_images)} validation images of {data_path} " + (
-        "(its val/ folder, as given)" if split.given else f"(val-rate {val_rate}, seed {seed})"
-    )
-    how = {"given": True} if split.given else {"val_rate": val_rate, "seed": seed}
-    return split.val_images, split.val_labels, {"images": "validation", "data_path": str(data_path), **how}, line
+        return Evaluation(images, labels, used, line, split.unreadable, output_dir)
+    how = "(its val/ folder, as given)" if split.given else f"(val-rate {val_rate}, seed {seed})"
+    line = f"Evaluating {args.weights} on the {len(split.val_images)} validation images of {data_path} {how}"
+    used |= {"given": True} if split.given else {"val_rate": val_rate, "seed": seed}
+    return Evaluation(split.val_images, split.val_labels, used, line, split.unreadable, output_dir)
 
 
 @entry_point
@@ -198,10 +165,10 @@ def evaluate_weights(args, process) -> None:
     trained = load_trained_model(args.weights, args.class_indices, process.device, args.model)
     evaluation = plan(args, trained)
     images, labels, classes = evaluation.images, evaluation.labels, trained.classes
-    if evaluation.unreadable:
-        warn_once(f"skipped {len(evaluation.unreadable)} unreadable image(s): {describe(evaluation.unreadable)}")
-    print_once(evaluation.announcement)
-
+    if is_main_process():
+        if evaluation.unreadable:
+            warn(f"skipped {len(evaluation.unreadable)} unreadable image(s): {describe(evaluation.unreadable)}")
+        print(evaluation.announcement, flush=True)
     # DDP: this process scores images rank, rank + world size, ...: every image once, none padded
     shard = val_shard(images, process.rank, process.world_size)
     given = {"img_size": args.img_size, "batch_size": args.batch_size, "workers": args.workers}  # None: the run's
@@ -222,30 +189,24 @@ def report(args, trained, evaluation: Evaluation, scored) -> None:
     """Print the scores, and write eval.json and confusion_matrix.png."""
     confusion, in_top5 = scored if isinstance(scored, tuple) else (scored, None)
     correct, total, classes = int(confusion.trace()), int(confusion.sum()), trained.classes
-    scores = per_class_scores(confusion)
-    images = len(evaluation.images)
+    scores, images = per_class_scores(confusion), len(evaluation.images)
     left_out = f"; {images - total} unreadable image(s) left out" if total < images else ""
     print(f"accuracy {correct / total:.3f} ({correct}/{total}{left_out})")
     if in_top5 is not None:
         print(f"top-5 accuracy {in_top5 / total:.3f} ({in_top5}/{total})")
-    print()
-    print_table(classes, scores)
-
+    width = max(len("class"), *map(len, classes))
+    print(f"\n{'class':<{width}}  precision  recall     f1  support")
+    columns = (scores["precision"], scores["recall"], scores["f1"], scores["support"])
+    for name, precision, recall, f1, support in zip(classes, *columns, strict=True):
+        print(f"{name:<{width}}  {precision:9.3f}  {recall:6.3f}  {f1:5.3f}  {support:7d}")
     output_dir = evaluation.output_dir
     report_json = {
-        "weights": str(args.weights),
-        "split": evaluation.split,
-        "img_size": trained.setting("img_size", args.img_size),
-        "tta": args.tta,
-        "accuracy": correct / total,
-        "correct": correct,
-        "total": total,
-        "top5_accuracy": None if in_top5 is None else in_top5 / total,
-        "top5_correct": in_top5,
+        "weights": str(args.weights), "split": evaluation.split, "img_size": trained.setting("img_size", args.img_size),
+        "tta": args.tta, "accuracy": correct / total, "correct": correct, "total": total,
+        "top5_accuracy": None if in_top5 is None else in_top5 / total, "top5_correct": in_top5,
         "per_class": {name: {key: values[c] for key, values in scores.items()} for c, name in enumerate(classes)},
-        "classes": classes,
-        "confusion_matrix": confusion.tolist(),  # rows: true class, columns: predicted class
-    }
+        "classes": classes, "confusion_matrix": confusion.tolist(),  # rows: true class, columns: predicted class
+    }  # fmt: skip
     write_json(output_dir / "eval.json", report_json)
     used = evaluation.split["images"]
     title = f"{args.weights.name}: accuracy {correct / total:.3f} ({correct}/{total}, {used} images)"

@@ -3,10 +3,8 @@
 python export.py runs/demo-single/weights/best.pth --format onnx
 python export.py runs/demo-single/weights/best.pth --format torchscript --output flowers.torchscript.pt
 
-The file holds the network in float32 with NCHW input whatever the run trained with (autocast and channels_last
-are ways of running the weights, not part of them), with the class names and preprocessing a deployer needs. An
-exporter can get a graph wrong without failing, so the bytes are first run by the runtime a deployer would use and
-compared with PyTorch's logits: nothing is written beyond TOLERANCE. docs/trained-models.md says more.
+The file holds the network in float32, NCHW, and the class names and preprocessing a deployer needs. It is written
+only if the runtime a deployer would use gives PyTorch's logits within TOLERANCE (docs/trained-models.md).
 """
 
 import contextlib
@@ -14,6 +12,7 @@ import importlib.util
 import io
 import json
 import warnings
+from itertools import islice, zip_longest
 from pathlib import Path
 
 import torch
@@ -35,30 +34,20 @@ class ExportCheckError(UserError):
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
-    parser.add_argument(
-        "weights",
-        type=Path,
-        metavar="RUN_WEIGHTS",
-        help="weights/best.pth, weights/last.pth, weights/model-N.pth or checkpoint.pth",
-    )
-    parser.add_argument("--format", required=True, choices=list(FORMATS), help="the file to write")
-    parser.add_argument(
-        "--output",
-        type=Path,
-        help="the file (default: beside the weights, named after them: best.onnx, best.torchscript.pt)",
-    )
-    parser.add_argument("--force", action="store_true", help="replace the output file if it exists")
-    add_run_overrides(parser)
-    parser.add_argument(
-        "--data-path",
-        type=Path,
-        help="class folders whose images the check runs on (default: the run's; none: a seeded random batch)",
-    )
-    parser.add_argument(
+    p = Parser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p.add_argument("weights", type=Path, metavar="RUN_WEIGHTS",
+                   help="weights/best.pth, weights/last.pth, weights/model-N.pth or checkpoint.pth")  # fmt: skip
+    p.add_argument("--format", required=True, choices=list(FORMATS), help="the file to write")
+    p.add_argument("--output", type=Path, help="the file (default: beside the weights, named after them: best.onnx, "
+                   "best.torchscript.pt)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="replace the output file if it exists")
+    add_run_overrides(p)
+    p.add_argument("--data-path", type=Path, help="class folders whose images the check runs on (default: the run's; "
+                   "none: a seeded random batch)")  # fmt: skip
+    p.add_argument(
         "--device", default="cpu", help="where the network is traced: cpu, cuda or cuda:N (the check runs on the CPU)"
     )
-    return parser.parse_args(argv)
+    return p.parse_args(argv)
 
 
 def output_path(args) -> Path:
@@ -73,16 +62,12 @@ def output_path(args) -> Path:
 def preprocessing(img_size: int) -> dict:
     """How an image becomes the network's input (as val_transform does it), for the file's metadata."""
     return {
-        "input": "images",
-        "shape": ["batch", 3, img_size, img_size],  # NCHW, float32, RGB
-        "resize_shorter_side": round(img_size * RESIZE_RATIO),
-        "interpolation": "bilinear, antialiased",
-        "center_crop": img_size,
-        "scale": "1/255",  # 8-bit pixel values to [0, 1], before the normalisation
-        "mean": list(IMAGENET_MEAN),
-        "std": list(IMAGENET_STD),
+        "input": "images", "shape": ["batch", 3, img_size, img_size],  # NCHW, float32, RGB
+        "resize_shorter_side": round(img_size * RESIZE_RATIO), "interpolation": "bilinear, antialiased",
+        "center_crop": img_size, "scale": "1/255",  # 8-bit pixel values to [0, 1], before the normalisation
+        "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
         "output": "logits",  # [batch, classes]; softmax over classes gives probabilities
-    }
+    }  # fmt: skip
 
 
 def describe_input(prep: dict, classes: list[str]) -> str:
@@ -101,16 +86,8 @@ def describe_input(prep: dict, classes: list[str]) -> str:
 def export_onnx(model, example: torch.Tensor, metadata: dict, doc: str) -> bytes:
     """The network as ONNX bytes, with a dynamic batch dimension and `metadata` in its metadata_props; by the
     torch.export-based exporter (the default since torch 2.9: the older one warns that it will be removed)."""
-    batch = torch.export.Dim("batch")
-    program = torch.onnx.export(
-        model,
-        (example,),
-        dynamo=True,
-        input_names=["images"],
-        output_names=["logits"],
-        dynamic_shapes=({0: batch},),
-        verbose=False,
-    )
+    program = torch.onnx.export(model, (example,), dynamo=True, input_names=["images"], output_names=["logits"],
+                                dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)  # fmt: skip
     proto = program.model_proto
     proto.doc_string = doc
     for key, value in metadata.items():
@@ -144,10 +121,8 @@ def onnx_runner(data: bytes):
         warn("onnxruntime is not installed, so the ONNX file was not checked (pip install onnxruntime)")
         return None, None
     session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
-    return (
-        lambda batch: torch.from_numpy(session.run(["logits"], {"images": batch.numpy()})[0]),
-        f"onnxruntime {onnxruntime.__version__}",
-    )
+    run = lambda batch: torch.from_numpy(session.run(["logits"], {"images": batch.numpy()})[0])  # noqa: E731
+    return run, f"onnxruntime {onnxruntime.__version__}"
 
 
 def torchscript_runner(data: bytes):
@@ -162,42 +137,25 @@ def torchscript_runner(data: bytes):
     return run, f"torch.jit.load (torch {torch.__version__})"
 
 
-def check_images(data_path: Path) -> list[Path]:
-    """Up to CHECK_IMAGES readable images of a class-per-folder dataset, taking each class in turn."""
-    folders = sorted(p for p in data_path.iterdir() if p.is_dir() and not p.name.startswith("."))
-    by_class = [list_images(folder) for folder in folders]
-    in_turn = [images[i] for i in range(max(map(len, by_class), default=0)) for images in by_class if i < len(images)]
-    readable = (image for image in in_turn if image_problem(image) is None)
-    return [image for _, image in zip(range(CHECK_IMAGES), readable, strict=False)]
-
-
 def check_batch(trained, args, img_size: int) -> tuple[torch.Tensor, str]:
-    """The check's input, prepared as evaluate.py prepares it (a seeded random batch without images), and its
-    source in words."""
+    """The check's input, prepared as evaluate.py prepares it (else a seeded random batch), and its source in words."""
     data_path = trained.setting("data_path", args.data_path)
     images = []
     if data_path is None:
         why = "no data folder known"
     elif not Path(data_path).is_dir():
         why = f"the run's data folder {data_path} is not here"
-    else:
-        images, why = check_images(Path(data_path)), f"no readable images in {data_path}"
+    else:  # up to CHECK_IMAGES readable images, taking each class in turn
+        folders = sorted(p for p in Path(data_path).iterdir() if p.is_dir() and not p.name.startswith("."))
+        in_turn = (image for row in zip_longest(*map(list_images, folders)) for image in row if image is not None)
+        images = list(islice((image for image in in_turn if image_problem(image) is None), CHECK_IMAGES))
+        why = f"no readable images in {data_path}"
     if not images:
         batch = torch.randn(CHECK_IMAGES, 3, img_size, img_size, generator=torch.Generator().manual_seed(0))
         return batch, f"a seeded random batch ({why}; --data-path names images to check on)"
     loader = image_loader(trained, images, [0] * len(images), img_size=img_size, batch_size=len(images), workers=0)
     batch, _ = next(iter(loader))
     return normalise(batch), f"{len(images)} images of {data_path}"  # the loader's 8-bit pixels, as the file takes them
-
-
-def max_difference(run, model, batch: torch.Tensor) -> float:
-    """The largest absolute difference between the exported file's logits and PyTorch's."""
-    with torch.no_grad():
-        expected = model(batch)
-    got = run(batch)
-    if got.shape != expected.shape:
-        raise ExportCheckError(f"the exported file gives logits of shape {list(got.shape)}, not {list(expected.shape)}")
-    return (got.float() - expected).abs().max().item()
 
 
 @entry_point
@@ -215,10 +173,8 @@ def main(argv=None):
     prep = preprocessing(img_size)
     indices = {str(i): name for i, name in enumerate(trained.classes)}
     metadata = {"class_indices": json.dumps(indices), "preprocessing": json.dumps(prep)}
-    print(
-        f"Exporting {args.weights} ({len(trained.classes)} classes) as {args.format}: float32, "
-        f"input [batch, 3, {img_size}, {img_size}]"
-    )
+    print(f"Exporting {args.weights} ({len(trained.classes)} classes) as {args.format}: float32, "
+          f"input [batch, 3, {img_size}, {img_size}]")  # fmt: skip
     example = torch.zeros(2, 3, img_size, img_size, device=trained.device)  # torch.export specialises batch 1
     if args.format == "onnx":
         data = export_onnx(model, example, metadata, describe_input(prep, trained.classes))
@@ -226,19 +182,21 @@ def main(argv=None):
     else:
         data = export_torchscript(model, example, metadata)
         run, runtime = torchscript_runner(data)
-
     if run is not None:
         batch, source = check_batch(trained, args, img_size)
-        difference = max_difference(run, model.cpu(), batch)
-        print(
-            f"Checked with {runtime} on {source}: max abs difference from PyTorch float32 logits "
-            f"{difference:.1e} (limit {TOLERANCE:.0e})"
-        )
-        if not difference <= TOLERANCE:  # NaN fails too
+        with torch.no_grad():
+            expected = model.cpu()(batch)
+        got = run(batch)
+        if got.shape != expected.shape:
             raise ExportCheckError(
-                f"the exported file's logits differ from PyTorch's by up to {difference:.1e} "
-                f"(limit {TOLERANCE:.0e}): {output} not written"
+                f"the exported file gives logits of shape {list(got.shape)}, not {list(expected.shape)}"
             )
+        difference = (got.float() - expected).abs().max().item()
+        print(f"Checked with {runtime} on {source}: max abs difference from PyTorch float32 logits "
+              f"{difference:.1e} (limit {TOLERANCE:.0e})")  # fmt: skip
+        if not difference <= TOLERANCE:  # NaN fails too
+            raise ExportCheckError(f"the exported file's logits differ from PyTorch's by up to {difference:.1e} "
+                                   f"(limit {TOLERANCE:.0e}): {output} not written")  # fmt: skip
     write_atomically(output, lambda f: f.write(data), binary=True, size=len(data))
     print(f"Wrote {output} ({len(data) / 2**20:.1f} MiB)")
 

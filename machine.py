@@ -1,6 +1,5 @@
-"""What this machine offers a run, as torch will use it: the processor's name, cores, instruction set and bfloat16
-arithmetic, and the memory a run may use. Environment variables cap torch's choice of CPU kernels (AVX2_CAPS): so
-an AVX-512/AMX machine checks how an AVX2-only one computes, and every decision here reads the caps.
+"""What this machine offers a run, as torch will use it: the processor's name, cores, instruction set, bfloat16
+arithmetic and memory. Every decision here reads the caps on torch's CPU kernels (AVX2_CAPS).
 """
 
 import math
@@ -73,8 +72,7 @@ def cpu_quota(root: Path = Path("/")) -> tuple[float, str] | None:
 
 def cgroups(root: Path, controller: str) -> list[tuple[int, Path, str]]:
     """(cgroup version, where its files are mounted, this process's cgroup path) for `controller`, from
-    /proc/self/cgroup under `root`. In a container the path may not exist in /sys/fs/cgroup: readers pass over
-    the files that do not exist."""
+    /proc/self/cgroup under `root`; in a container the path may not exist: readers pass over missing files."""
     try:
         lines = (root / "proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -98,7 +96,6 @@ def folders_above(mount: Path, cgroup: str) -> list[Path]:
 
 
 def read_or_empty(path: Path) -> str:
-    """The file's text, stripped; "" where it cannot be read."""
     try:
         return path.read_text().strip()
     except OSError:
@@ -123,29 +120,20 @@ def physical_memory() -> int | None:
     return None
 
 
-# cgroup v1 writes "no limit" as a number near 2**63: any limit this large is none
-NO_CGROUP_LIMIT = 2**62
-
-
 def memory_limit(root: Path = Path("/")) -> tuple[int | None, str]:
     """(the memory this process may use, in bytes; where that number comes from, a phrase for a message): the
-    smallest of its cgroup's limit, SLURM's allocation on this node and the machine's memory."""
-    limits = [*cgroup_memory_limits(root), *slurm_memory_limits(os.environ)]
-    physical = physical_memory()
-    limits += [(physical, "the machine's memory")] if physical else []
-    return min(limits, key=lambda limit: limit[0], default=(None, "this system does not say its memory"))
-
-
-def cgroup_memory_limits(root: Path) -> list[tuple[int, str]]:
-    """The memory limits set on this process's cgroups and those above them, each with its file."""
+    smallest of its cgroups' limits (and those above), SLURM's allocation on this node and the machine's memory."""
     limits = []
     for version, mount, cgroup in cgroups(root, "memory"):
         for folder in folders_above(mount, cgroup):
             path = folder / ("memory.max" if version == 2 else "memory.limit_in_bytes")
             text = read_or_empty(path)
-            if text.isdigit() and 0 < int(text) < NO_CGROUP_LIMIT:
+            if text.isdigit() and 0 < int(text) < 2**62:  # cgroup v1 writes "no limit" as a number near 2**63
                 limits.append((int(text), f"the cgroup limit in {path}"))
-    return limits
+    limits += slurm_memory_limits(os.environ)
+    physical = physical_memory()
+    limits += [(physical, "the machine's memory")] if physical else []
+    return min(limits, key=lambda limit: limit[0], default=(None, "this system does not say its memory"))
 
 
 def slurm_memory_limits(env) -> list[tuple[int, str]]:
@@ -162,14 +150,12 @@ def slurm_memory_limits(env) -> list[tuple[int, str]]:
 
 
 def whole_number(env, name: str) -> int | None:
-    """The environment variable `name` as a whole number; None where it is not set or not a number."""
     text = env.get(name, "").strip()
     return int(text) if text.isdigit() else None
 
 
 def cpu_name() -> str:
-    """E.g. "AMD EPYC", "Apple M2": from /proc/cpuinfo, sysctl on macOS (where platform.processor() says "arm"),
-    else the platform's own answer."""
+    """E.g. "AMD EPYC": from /proc/cpuinfo, sysctl on macOS (platform.processor() says "arm"), else the platform."""
     try:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
@@ -186,13 +172,11 @@ def cpu_name() -> str:
 
 def describe_cpu() -> str:
     """E.g. "AMD EPYC, 2 cores, torch kernels AVX2, no bfloat16 (...)": what a measured figure was measured on."""
-    bf16, why = cpu_bfloat16()
+    native, why = cpu_bfloat16()
     cap = onednn_isa_cap()
-    return (
-        f"{cpu_name()}, {available_cores()} cores, torch kernels {torch_cpu_isa()}"
-        + (f", oneDNN capped at {cap}" if cap else "")
-        + (", native bfloat16" if bf16 else f", no native bfloat16: {why}")
-    )
+    capped = f", oneDNN capped at {cap}" if cap else ""
+    bf16 = ", native bfloat16" if native else f", no native bfloat16: {why}"
+    return f"{cpu_name()}, {available_cores()} cores, torch kernels {torch_cpu_isa()}{capped}{bf16}"
 
 
 # On the CPU, loading an image (decode, crop, flip) costs a few percent of training on it (docs/performance.md,
@@ -202,15 +186,13 @@ MAX_GPU_LOADERS = 8
 
 
 def cores_per_process(processes_here: int = 1) -> int:
-    """This process's share of the cores it may use, when `processes_here` processes share this machine."""
     return max(1, available_cores() // processes_here)
 
 
 def core_budget(device: torch.device, processes_here: int = 1, batch_size: int = 1, workers: int | None = None):
-    """(loader workers, compute threads) for one of `processes_here` processes sharing this machine's cores, by
-    rule: for inference, and for training's threads beside a given --workers (autotune/choose.py measures the rest).
-    On a GPU the cores only load. On the CPU they also compute, and a loader that takes a compute thread's core
-    stalls every parallel operation: so a worker per 8 cores, the threads on the rest."""
+    """(loader workers, compute threads) for one of `processes_here` processes sharing this machine's cores, by rule
+    (autotune/choose.py measures the rest). On the CPU a loader on a compute thread's core stalls every parallel
+    operation: so a worker per 8 cores, the threads on the rest."""
     share = cores_per_process(processes_here)
     if device.type in ("cuda", "mps"):
         return (min(MAX_GPU_LOADERS, share, batch_size) if workers is None else workers), torch.get_num_threads()

@@ -19,12 +19,8 @@ from utils import STOP_SIGNALS
 
 
 class MyDataSet(Dataset):
-    """Images and their class labels; an item is (image tensor, label).
-
-    Asked for as (index, seed), as a SeededBatchSampler gives the training images, the random augmentation is drawn
-    from that seed alone: the same on any loader worker. An image decoded once (`decoded`, set by decode_once) comes
-    from memory. One that cannot be read when its turn comes is a blank image labelled SKIPPED, with a warning.
-    """
+    """Images and their labels; an item (index, seed) is augmented from that seed alone, the same on any worker. An
+    image that cannot be read is a blank one labelled SKIPPED, with a warning."""
 
     def __init__(self, images_path, images_class, transform=None):
         if len(images_path) != len(images_class):
@@ -54,8 +50,7 @@ class MyDataSet(Dataset):
 
 
 def datasets(split: DataSplit, config, process=None) -> tuple[MyDataSet, MyDataSet, str]:
-    """The training set (augmented) and the validation set of a split, their images decoded once into memory where
-    --image-cache-gb allows (in DDP once for the processes of this machine), and the line saying whether they were."""
+    """A split's training and validation sets, decoded once where --image-cache-gb allows, and the line saying so."""
     augment = train_transform(config.img_size, auto_augment=config.auto_augment, random_erase=config.random_erase)
     resize = val_transform(config.img_size)
     train_set = MyDataSet(split.train_images, split.train_labels, augment)
@@ -64,9 +59,7 @@ def datasets(split: DataSplit, config, process=None) -> tuple[MyDataSet, MyDataS
 
 
 def loaders(train_set, val_set, batches, val_sampler, config, choice, device: torch.device):
-    """The training batches (`batches`: a SeededBatchSampler) and the validation batches (`val_sampler`'s images)
-    as auto chose to make them (`choice`): on the device from the images held there, or by choice.workers loader
-    processes, kept between epochs, each epoch's first batches loaded while the last epoch ends (EpochsAhead)."""
+    """The training and validation batches, made where auto chose: on the device, or by loader workers (EpochsAhead)."""
     if not choice.on_device:
         persistent = choice.workers > 0 and config.persistent_workers
         loading = {"num_workers": choice.workers, "persistent_workers": persistent, "pin_memory": device.type == "cuda",
@@ -79,9 +72,8 @@ def loaders(train_set, val_set, batches, val_sampler, config, choice, device: to
 
 
 class EpochsAhead:
-    """A DataLoader whose next pass starts as soon as one ends: with persistent workers, they load the next epoch's
-    first batches (its set_epoch(epoch + 1) drawn first) while this process validates and saves. A pass asked for
-    another epoch than the one started (a resumed run's first) starts anew."""
+    """A DataLoader whose next pass starts as soon as one ends: persistent workers load the next epoch's first
+    batches while this process validates and saves. A pass for another epoch than the one started starts anew."""
 
     def __init__(self, loader: DataLoader, epochs: int | None = None):
         self.loader, self.epochs = loader, epochs
@@ -102,16 +94,14 @@ class EpochsAhead:
 
 
 def ignore_stop_signals(worker_id: int | None = None) -> None:
-    """A loader process's worker_init_fn: SLURM signals every process of a job, and the training process decides
-    when to stop (at a step, saved); without this, torch's handler would end the loader process at once."""
+    """A loader process's worker_init_fn: SLURM signals every process of a job; the training process decides when."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 
 @atexit.register  # after multiprocessing's own exit handler, so that it runs first (atexit runs the last first)
 def end_loader_processes() -> None:
-    """At exit, SIGKILL the loader processes still running (persistent workers of a run a stop signal ended):
-    multiprocessing's handler would send them SIGTERM, which they ignore, and wait for them for ever."""
+    """At exit, SIGKILL the loader processes still running: multiprocessing's SIGTERM, ignored, would wait for ever."""
     for child in multiprocessing.active_children():
         if child.daemon:  # a DataLoader's workers are; the spawn script's training processes are not
             child.kill()

@@ -25,19 +25,16 @@ from matplotlib.ticker import MaxNLocator
 from read_back import read_json, read_json_lines
 from utils import Parser, UserError, entry_point, printable, write_atomically
 
-# A class name in a script the font lacks is drawn as boxes, which matplotlib would say every epoch for each
-# character. A filter set once: catch_warnings is not thread-safe, and TensorBoard's figures are drawn in a thread.
+# Glyphs the font lacks are drawn as boxes, warned of each epoch; set once, as TensorBoard draws in a thread
 warnings.filterwarnings("ignore", r"Glyph \d+ .*missing from font", UserWarning)
 
 METRICS_NAME, BENCHMARK_NAME = "metrics.jsonl", "benchmark.json"
 CURVES_PNG, BENCHMARK_PNG = "training_curves.png", "benchmark.png"
 PANELS = (("train_loss", "training loss"), ("val_acc", "validation accuracy"), ("lr", "learning rate"))
-REQUIRED_KEYS = ("epoch", *(key for key, _ in PANELS))
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The epochs of a metrics.jsonl, sorted by epoch."""
-    epochs = read_json_lines(path, "metrics file", numbers=REQUIRED_KEYS)
+    epochs = read_json_lines(path, "metrics file", numbers=("epoch", *(key for key, _ in PANELS)))
     if not epochs:
         raise UserError(f"{path} holds no epochs (is the run still in its first epoch?)")
     return sorted(epochs, key=lambda record: record["epoch"])
@@ -88,8 +85,7 @@ def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
         for ax, (key, _) in zip(axes, PANELS, strict=True):
             ax.plot(x, [record[key] for record in epochs], marker="o", markersize=3, label=label)
     for ax, (_, title) in zip(axes, PANELS, strict=True):
-        ax.set_title(title)
-        ax.set_xlabel("epoch")
+        ax.set(title=title, xlabel="epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[1].set_ylim(0, 1)
@@ -101,9 +97,8 @@ def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
 
 
 def plot_benchmark(benchmark: dict, path=None) -> Figure:
-    """Images per second, a bar per row of a benchmark, titled with where and how it was measured; written to
-    `path` when given. The loader, demo and predict.py rows, not comparable with training at the benchmark's
-    size, get a panel of their own."""
+    """Images per second, a bar per row, titled with where and how it was measured; written to `path` when given.
+    The loader, demo and predict.py rows, not comparable with training at the benchmark's size, get their own panel."""
     rows, settings = benchmark["rows"], benchmark.get("settings", {})
     colours = {kind: f"C{i}" for i, kind in enumerate(dict.fromkeys(row.get("kind") for row in rows))}
     apart = [row for row in rows if row.get("kind") in ("loader", "demo", "predict")]
@@ -111,20 +106,26 @@ def plot_benchmark(benchmark: dict, path=None) -> Figure:
         ([row for row in rows if row not in apart], "images per second trained (higher is better)"),
         (apart, "images per second: loaded (loader rows), trained at the demo's size, or scored (predict.py)"),
     ) if row_list]  # fmt: skip
-
     fig = Figure(figsize=(10, 1.8 + 0.55 * len(rows) + 0.6 * (len(panels) - 1)), dpi=120, layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False, height_ratios=[len(panel) for panel, _ in panels])[:, 0]
-    for ax, (panel, label) in zip(axes, panels, strict=True):
-        throughput_bars(ax, panel, colours, label)
+    for ax, (panel, label) in zip(axes, panels, strict=True):  # a bar per row, the first on top
+        values = [row["img_per_sec"] for row in panel]
+        positions = range(len(panel))  # not the names as categories: two rows of the same name stay two bars
+        bars = ax.barh(positions, [value or 0 for value in values], color=[colours[row.get("kind")] for row in panel])
+        ax.bar_label(bars, [f"{value:.1f}" if value is not None else "not measured" for value in values], padding=4)
+        ax.set_yticks(positions, labels=[textwrap.fill(row["name"], 40) for row in panel])
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(value or 0 for value in values) * 1.15 or 1)
+        ax.set_xlabel(label)
+        ax.grid(axis="x", alpha=0.3)
     where = [str(benchmark[key]) for key in ("machine", "date") if benchmark.get(key)]
+    # files written before the precision named its layout too
+    old_layout = settings.get("channels_last") and "channels_last" not in settings.get("precision", "")
     how = [
         f"{settings['img_size']} px" if "img_size" in settings else None,
         f"batch {settings['batch_size']} per process" if "batch_size" in settings else None,
         settings.get("precision"),
-        # files written before the precision named its layout too
-        "channels_last"
-        if settings.get("channels_last") and "channels_last" not in settings.get("precision", "")
-        else None,
+        "channels_last" if old_layout else None,
         f"torch {benchmark['torch']}" if benchmark.get("torch") else None,
     ]
     lines = [", ".join(["Training throughput", *where]), ", ".join(filter(None, how))]
@@ -135,24 +136,9 @@ def plot_benchmark(benchmark: dict, path=None) -> Figure:
     return fig
 
 
-def throughput_bars(ax, rows: list[dict], colours: dict, label: str) -> None:
-    """One bar per row, labelled with its images per second, the first row on top."""
-    values = [row["img_per_sec"] for row in rows]
-    positions = range(len(rows))  # not the names as categories: two rows of the same name stay two bars
-    bars = ax.barh(positions, [value or 0 for value in values], color=[colours[row.get("kind")] for row in rows])
-    ax.bar_label(bars, [f"{value:.1f}" if value is not None else "not measured" for value in values], padding=4)
-    ax.set_yticks(positions, labels=[textwrap.fill(row["name"], 40) for row in rows])
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(value or 0 for value in values) * 1.15 or 1)
-    ax.set_xlabel(label)
-    ax.grid(axis="x", alpha=0.3)
-
-
 def plot_predictions(images, true_labels: list[int], predicted: list[int], classes: list[str]) -> Figure:
-    """A grid of HxWx3 images in 0..1, each titled with its predicted class and, when wrong, its true one: what
-    run_log.py shows in TensorBoard each epoch. One image on one axes, as subplots cost 8 times as much every
-    epoch; numpy, not torch, whose OpenMP threads in the background writer would slow training (docs/performance.md).
-    """
+    """A grid of HxWx3 images in 0..1 titled with the predicted class (and the true one when wrong), for TensorBoard.
+    One axes, as subplots cost 8 times as much; numpy, as torch's threads would slow training (docs/performance.md)."""
     columns = min(4, len(images))
     height, width = images[0].shape[:2]
     pad = max(height // 2, 8)  # room for a two-line label above each picture, at any image size
@@ -174,7 +160,6 @@ def plot_predictions(images, true_labels: list[int], predicted: list[int], class
 
 
 def save_png(fig: Figure, path) -> None:
-    """Write the figure as a PNG, atomically."""
     try:
         write_atomically(path, lambda f: fig.savefig(f, format="png"), binary=True)
     except OSError as error:
@@ -209,8 +194,7 @@ def main(argv=None) -> Figure:
     """Draw what the command line names and write the PNG; returns the Figure (for tests)."""
     args = parse_args(argv)
     found = [classify(path) for path in args.paths]
-    kinds = {kind for kind, _ in found}
-    sources = [source for _, source in found]
+    kinds, sources = {kind for kind, _ in found}, [source for _, source in found]
     if kinds == {"benchmark"}:
         if len(sources) > 1 or args.labels:
             raise UserError("give one benchmark.json on its own (run folders and --labels draw training curves)")

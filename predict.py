@@ -18,35 +18,23 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from dataset.folders import IMAGE_EXTENSIONS, list_images
 from inference.results import add_results_arguments, check_results_file, results_file
-from inference.scoring import (
-    UNKNOWN,
-    add_scoring_arguments,
-    join_group,
-    rows_of,
-    scored_batches,
-    spawned_world_size,
-)
+from inference.scoring import UNKNOWN, add_scoring_arguments, join_group, rows_of, scored_batches, spawned_world_size
 from inference.trained import add_model_arguments, image_loader, load_trained_model
 from multi_train_utils.distributed_utils import cleanup, is_main_process, val_shard
 from multi_train_utils.spawn_utils import choose_meeting_point, report_failures, run_workers
 from utils import HelpFormatter, Parser, UserError, entry_point
 
 
-def images_in(folder: Path) -> list[Path]:
-    """The images in `folder` and in its sub-folders (hidden ones left out), folder by folder in name order."""
-    folders = [folder, *sorted(sub for sub in folder.rglob("*") if sub.is_dir())]
-    visible = [sub for sub in folders if not any(part.startswith(".") for part in sub.relative_to(folder).parts)]
-    return [image for sub in visible for image in list_images(sub)]
-
-
 def find_images(paths: list[Path]) -> list[Path]:
-    """The files named, and the images in the folders named and their sub-folders; UserError for a name that
-    holds none."""
+    """The files named, and the images of the folders named and their sub-folders (hidden ones left out), folder by
+    folder in name order; UserError for a name that holds none."""
     images = []
     for path in paths:
         if not path.exists():
             raise UserError(f"{path} does not exist")
-        found = [path] if path.is_file() else images_in(path)
+        folders = [] if path.is_file() else [path, *sorted(sub for sub in path.rglob("*") if sub.is_dir())]
+        visible = [sub for sub in folders if not any(part.startswith(".") for part in sub.relative_to(path).parts)]
+        found = [path] if path.is_file() else [image for sub in visible for image in list_images(sub)]
         if not found:
             raise UserError(f"folder {path} holds no images ({' '.join(IMAGE_EXTENSIONS)}, in it or its sub-folders)")
         images += found
@@ -54,14 +42,13 @@ def find_images(paths: list[Path]) -> list[Path]:
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
-    parser.add_argument(
-        "images", nargs="+", type=Path, metavar="IMAGE_OR_FOLDER", help="image files, or folders to search for images"
-    )
-    add_model_arguments(parser)
-    add_results_arguments(parser)
-    add_scoring_arguments(parser)
-    return parser.parse_args(argv)
+    p = Parser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p.add_argument("images", nargs="+", type=Path, metavar="IMAGE_OR_FOLDER",
+                   help="image files, or folders to search for images")  # fmt: skip
+    add_model_arguments(p)
+    add_results_arguments(p)
+    add_scoring_arguments(p)
+    return p.parse_args(argv)
 
 
 @entry_point
@@ -109,17 +96,13 @@ def predict(args, images: list[Path], process) -> None:
             unreadable += sum(row.unreadable is not None for row in rows)
             if args.results is None:
                 print("\n".join(row.line() for row in rows), flush=True)
-    if args.results is not None and is_main_process():
-        print(f"Wrote {args.results}: {results.rows} rows, {speed(len(images), time.perf_counter() - start, process)}")
+    if args.results is not None and is_main_process():  # tools/benchmark.py reads the speed
+        seconds, n = time.perf_counter() - start, process.world_size
+        print(f"Wrote {args.results}: {results.rows} rows, scored in {seconds:.1f} s "
+              f"({len(images) / seconds:.1f} images/s, {n} process{'es' * (n > 1)})")  # fmt: skip
     if unreadable:
         where = "rows" if args.results else "lines"
         print(f"warning: {unreadable} image(s) could not be read; their {where} say why", file=sys.stderr)
-
-
-def speed(images: int, seconds: float, process) -> str:
-    """E.g. "scored in 2.5 s (24.0 images/s, 2 processes)": tools/benchmark.py reads it."""
-    processes = f"{process.world_size} process{'es' * (process.world_size > 1)}"
-    return f"scored in {seconds:.1f} s ({images / seconds:.1f} images/s, {processes})"
 
 
 if __name__ == "__main__":

@@ -38,22 +38,18 @@ def safe_load(path, what: str, if_damaged: str = "copy it again from where it ca
             raise UserError(f"{what} {path} cannot be read as a PyTorch file (a damaged pickle: {reason})") from None
         raise UserError(f"{what} {path} was refused by the safe loader (weights_only=True): {reason}") from None
     except Exception as error:  # torch.load raises many types for a file that is not a (whole) torch file
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        raise UserError(
-            f"{what} {path} cannot be read as a PyTorch file ({type(error).__name__}: {first_line})"
-        ) from None
+        line = (str(error).strip().splitlines() or [""])[0]
+        raise UserError(f"{what} {path} cannot be read as a PyTorch file ({type(error).__name__}: {line})") from None
 
 
 # How a PyTorch file begins: torch.save's zip archive (since torch 1.6), its older format (a pickle of protocol 2
 # or later), or the oldest (a tar archive, "ustar" at bytes 257-261)
 ZIP_MAGIC, PICKLE_MAGIC, TAR_MAGIC_END = b"PK\x03\x04", b"\x80", 262
-MS_DOS_FOLDER = 0x10  # a zip record's external attribute: the record is a folder
 
 
 def damaged_record(path: Path) -> str | None:
     """Which record of the zip archive `path` fails its CRC-32, and how; None when every record passes, or when the
-    archive's directory cannot be read (a file cut short: torch.load then says so). Reading the file once more
-    costs 0.05 s for a 170 MB checkpoint (docs/resuming-and-failures.md)."""
+    archive's directory cannot be read (a file cut short: torch.load then says so)."""
     try:
         archive = zipfile.ZipFile(path)
     except OSError:
@@ -62,7 +58,7 @@ def damaged_record(path: Path) -> str | None:
         return None
     with archive:
         for record in archive.infolist():
-            if record.external_attr & MS_DOS_FOLDER:  # torch writes none; torch.load leaves its tensor unfilled
+            if record.external_attr & 0x10:  # MS-DOS's folder bit: torch writes none; torch.load leaves it unfilled
                 return f"its record {record.filename!r} is marked as a folder"
             if record.CRC == 0:  # torch.serialization.set_crc32_options(False) writes 0 for every record
                 continue
@@ -88,10 +84,9 @@ def other_kind(start: bytes) -> str | None:
         return None
     if not start:
         return "it is empty"
-    if start.startswith(b"\xff\xd8\xff"):
-        return "a JPEG image"
-    if start.startswith(b"\x89PNG"):
-        return "a PNG image"
+    for magic, kind in ((b"\xff\xd8\xff", "a JPEG image"), (b"\x89PNG", "a PNG image")):
+        if start.startswith(magic):
+            return kind
     try:
         text = start.decode("utf-8")
     except UnicodeDecodeError as error:  # maybe a character cut at the end of `start`
@@ -123,8 +118,7 @@ def read_json(path, what: str, expected: type = dict):
 
 
 def read_json_lines(path, what: str, numbers: tuple = ()) -> list[dict]:
-    """The records of a JSON Lines file, each with a number for each key in `numbers`; UserError naming the file
-    and the line for anything else."""
+    """The records of a JSON Lines file, each with a number for each key in `numbers`; else a UserError."""
     records = []
     for number, line in enumerate(read_text(path, what).splitlines(), start=1):
         if not line.strip():
@@ -163,7 +157,8 @@ def misfits(value, shape, name: str = "") -> list[str]:
         if not all(found):
             return []
         # a list or a mapping where one is expected: say what inside it does not fit
-        inside = [problems for option, problems in zip(shape, found, strict=True) if is_container_of(option, value)]
+        inside = [problems for option, problems in zip(shape, found, strict=True)
+                  if isinstance(option, list | dict) and isinstance(value, python_type(option))]  # fmt: skip
         return inside[0] if inside else [mismatch(name, value, shape_name(shape))]
     if not isinstance(value, python_type(shape)) or (isinstance(value, bool) and shape is not bool):
         return [mismatch(name, value, shape_name(shape))]
@@ -177,13 +172,7 @@ def misfits(value, shape, name: str = "") -> list[str]:
     return problems
 
 
-def is_container_of(shape, value) -> bool:
-    """Whether `shape` is a list's or a mapping's, and `value` is one."""
-    return isinstance(shape, list | dict) and isinstance(value, python_type(shape))
-
-
 def python_type(shape) -> type:
-    """The Python type a value of `shape` has."""
     return list if isinstance(shape, list) else dict if isinstance(shape, dict) else shape
 
 

@@ -41,8 +41,7 @@ def train(config, plan, process) -> dict:
     device = process.device
     # The images, decoded once into memory where they fit (--image-cache-gb): every epoch then only crops and flips
     train_set, val_set, decoding_line = datasets(plan.split, config, process)
-    # This process has the machine's cores; the loader workers, precision, layout and where batches are made, as far
-    # as the flags leave them to auto, are measured on them (or remembered from an earlier run): autotune/choose.py
+    # What the flags leave to auto is measured on this machine's cores, or remembered from a run: autotune/choose.py
     choice = choose(config, plan, device, 1, train_set)
     announce(config, plan, process, choice, decoding_line)
 

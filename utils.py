@@ -41,8 +41,8 @@ def entry_point(function):
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        # At exit, frozen objects are left to the OS instead of freed one by one: 1.2 s of CPU off every process
-        atexit.unregister(gc.freeze)  # (once, where a test calls main many times in its process)
+        # At exit, frozen objects are left to the OS instead of freed one by one (once, though tests call main often)
+        atexit.unregister(gc.freeze)
         atexit.register(gc.freeze)
         for stream in (sys.stdout, sys.stderr):
             if hasattr(stream, "reconfigure"):  # (not a StringIO a test prints into)
@@ -60,7 +60,6 @@ def entry_point(function):
 
 
 def warn(message: str) -> None:
-    """One warning line on stderr: something the run does without (a damaged cache, an unreadable image)."""
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -143,20 +142,15 @@ def atomic_file(path, binary: bool = False, size: int | None = None):
             finally:
                 os.close(folder)
     except Exception as error:
-        reason = os_error_in(error)
+        reason = error  # the OSError it is, or was raised while handling (torch.save re-raises as another type)
+        while reason is not None and not isinstance(reason, OSError):
+            reason = reason.__cause__ or reason.__context__
         if reason is None:
             raise
         raise OutputError(write_failure(path, reason, size)) from None
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-
-
-def os_error_in(error: BaseException) -> OSError | None:
-    """The OSError that `error` is, or that it was raised while handling (its chain of causes), else None."""
-    while error is not None and not isinstance(error, OSError):
-        error = error.__cause__ or error.__context__
-    return error
 
 
 def write_failure(path: Path, error: OSError, size: int | None = None) -> str:
@@ -180,7 +174,6 @@ RUN_FILES = ("args.json", "class_indices.json", "metrics.jsonl", "checkpoint.pth
 
 
 def run_files_in(folder: Path) -> list[str]:
-    """The patterns of RUN_FILES that files in `folder` match: none where it holds no run."""
     return [pattern for pattern in RUN_FILES if next(folder.glob(pattern), None) is not None]
 
 
@@ -199,9 +192,7 @@ def check_new_file(path: Path, flag: str, force: bool) -> None:
 
 def check_writable(folder: Path) -> None:
     """UserError unless `folder` can be created (or exists) and written to; creates nothing."""
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
+    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
     try:
         Path(tempfile.mkdtemp(dir=existing, prefix=".write-test-")).rmdir()
     except OSError as error:

@@ -1,6 +1,5 @@
 """auto's choices remembered, so that a later run with the same configuration on the same machine starts at once:
-autotune.json in the user's cache folder (FLOWERS_AUTOTUNE_CACHE names another), each choice under a key naming
-the machine as torch computes on it, torch, and the configuration. Delete it at will, or pass --remeasure."""
+autotune.json in the user's cache folder, keyed by the machine, torch and the configuration (docs/performance.md)."""
 
 import os
 from dataclasses import asdict, replace
@@ -22,43 +21,31 @@ CHOICE_SHAPE = {"amp": str, "channels_last": bool, "workers": int, "micro_batch"
                 "measured": dict, "load_ms": (NUMBER, type(None)), "seconds": NUMBER, "date": str,
                 "lines": list, "batches": str}  # fmt: skip
 ENTRY_SHAPE = {"key": dict, "choice": CHOICE_SHAPE}
+RUN_KEY = ("model", "img_size", "batch_size", "freeze_layers", "opt", "grad_checkpointing", "amp", "channels_last",
+           "workers", "micro_batch", "auto_augment", "random_erase", "batches")  # fmt: skip
 
 
 def cache_file() -> Path:
-    """$FLOWERS_AUTOTUNE_CACHE if set; else in the user's cache folder (Windows: %LOCALAPPDATA%; elsewhere
-    $XDG_CACHE_HOME, by default ~/.cache)."""
+    """$FLOWERS_AUTOTUNE_CACHE if set; else in the user's cache folder."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    if ON_WINDOWS:
-        base = os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local"
-    else:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "flower-training" / "autotune.json"
+    variable, default = ("LOCALAPPDATA", Path("AppData", "Local")) if ON_WINDOWS else ("XDG_CACHE_HOME", Path(".cache"))
+    return Path(os.environ.get(variable) or Path.home() / default) / "flower-training" / "autotune.json"
 
 
 def cache_key(config, plan, device: torch.device, processes_here: int) -> dict:
-    """What a remembered choice holds for: the machine as torch computes on it (the instruction-set caps too), torch,
-    and the configuration."""
-    machine = {
-        "cpu": cpu_name(),
-        "torch_cpu_isa": torch_cpu_isa(),
-        "isa_caps": {name: os.environ[name] for name in AVX2_CAPS if name in os.environ},
-        "cores": available_cores(),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "torch": torch.__version__,
-    }
-    run = {name: getattr(config, name) for name in ("model", "img_size", "batch_size", "freeze_layers", "opt")}
-    run["grad_checkpointing"] = config.grad_checkpointing
-    run |= {name: getattr(config, name) for name in ("amp", "channels_last", "workers", "micro_batch", "auto_augment")}
-    run |= {"random_erase": config.random_erase, "batches": config.batches}
+    """What a remembered choice holds for: the machine as torch computes on it, torch, and the configuration."""
+    machine = {"cpu": cpu_name(), "torch_cpu_isa": torch_cpu_isa(),
+               "isa_caps": {name: os.environ[name] for name in AVX2_CAPS if name in os.environ},
+               "cores": available_cores(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+               "torch": torch.__version__}  # fmt: skip
+    run = {name: getattr(config, name) for name in RUN_KEY}
     run |= {"device": device.type, "processes_here": processes_here, "data": str(Path(plan.data_path).resolve())}
     return machine | run
 
 
 def remembered(config, plan, device: torch.device, processes_here: int):
-    """(the cache file, the key of this machine and configuration, the choice remembered for it with its line, or
-    None: none remembered, or --remeasure). A damaged file (cut short, edited by hand, of another version) holds
-    none: one warning says so, and remember() replaces it."""
+    """(the cache file, the key, the choice remembered for it or None). A damaged file holds none, with a warning."""
     path, key = cache_file(), cache_key(config, plan, device, processes_here)
     try:
         entries = [] if config.remeasure else read_entries(path)
@@ -69,18 +56,15 @@ def remembered(config, plan, device: torch.device, processes_here: int):
     if found is None:
         return path, key, None
     choice = Choice(**{name: found[name] for name in ("amp", "channels_last", "micro_batch", "batches", "workers")})
-    line = (
-        f"Auto: {choice.name()}, "
-        + ("batches made on the device" if choice.on_device else f"{choice.workers} loader workers")
-        + (f", micro-batches of {choice.micro_batch}" if choice.micro_batch else "")
-        + f", as measured on {found['date']} for this machine and configuration ({path}; --remeasure measures again)"
-    )
+    how = "batches made on the device" if choice.on_device else f"{choice.workers} loader workers"
+    how += f", micro-batches of {choice.micro_batch}" if choice.micro_batch else ""
+    line = (f"Auto: {choice.name()}, {how}, as measured on {found['date']} for this machine and configuration ({path}; "
+            "--remeasure measures again)")  # fmt: skip
     return path, key, replace(choice, lines=(line,))
 
 
 def read_entries(path: Path) -> list[dict]:
-    """The file's entries ({"key", "choice"} each; none before it is written); UserError naming it if it is not one
-    this code wrote whole: not JSON, another version, an entry of another shape or a choice no run makes."""
+    """The file's entries (none before it is written); UserError naming it if it is not one this code wrote whole."""
     if not path.exists():
         return []
     cache = read_json(path, "autotune cache")
@@ -98,24 +82,17 @@ def read_entries(path: Path) -> list[dict]:
 
 
 def remember(path: Path, key: dict, choice: Choice, facts: dict) -> str:
-    """Add (or replace) the choice for `key`, with the `facts` it was decided from (measured, load_ms, seconds,
-    date): under a lock, so that runs starting together all keep theirs, written whole or not at all; a damaged file
-    is replaced. Returns the line saying where it is kept, or that it could not be (the run trains all the same)."""
+    """Add (or replace) the choice for `key`, under a lock, written whole; the line saying where, or that it cannot."""
     stored = {name: value for name, value in asdict(choice).items() if name not in ("threads", "lines")}
     entry = {"key": key, "choice": stored | facts | {"lines": []}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(f"{path}.lock", timeout=60):
-            entries = [old for old in entries_to_keep(path) if old["key"] != key]
+            try:
+                entries = [old for old in read_entries(path) if old["key"] != key]
+            except UserError:  # damaged (remembered() warned of it): replaced whole
+                entries = []
             write_json(path, {"version": CACHE_VERSION, "entries": [*entries, entry]})
     except (OSError, OutputError, Timeout):
         return f"Auto: could not remember this in {path} (not writable): the next run measures again"
     return f"Auto: remembered in {path} (delete it, or pass --remeasure, to measure again)"
-
-
-def entries_to_keep(path: Path) -> list[dict]:
-    """The file's entries; none if it is damaged (remembered() warned of it): it is replaced whole."""
-    try:
-        return read_entries(path)
-    except UserError:
-        return []

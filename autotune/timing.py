@@ -29,8 +29,7 @@ LOADER_BATCHES = 3  # batches a loader worker delivers to time it (after its fir
 
 @dataclass
 class Measured:
-    """What auto measured: each candidate's training images per second (its micro-batch set), the lines of the
-    micro-batch search, one loader worker's seconds per image and the device's to make a batch (None: not timed)."""
+    """Each candidate's images per second, the micro-batch search's lines, seconds per image (None: not timed)."""
 
     speeds: dict
     lines: list
@@ -39,9 +38,7 @@ class Measured:
 
 
 def measure(config, plan, device: torch.device, train_set, candidates: list[Choice], todo: dict) -> Measured:
-    """Time what `todo` asks for (choose.py's): the largest micro-batch that fits, train_one_epoch's steps in each
-    candidate, loading, and making batches on the device (in the fastest candidate's layout). The run's random
-    state is left as it was."""
+    """Time what choose.py's `todo` asks for, leaving the run's random state as it was."""
     micro_batch, lines = todo["given_micro_batch"], []
     if todo["micro_batch"]:
         micro_batch, lines = fitting_micro_batch(config, plan, device, candidates[0], todo["held"], todo["world_size"])
@@ -64,9 +61,7 @@ def measure(config, plan, device: torch.device, train_set, candidates: list[Choi
 
 
 def time_candidates(candidates: list[Choice], config, plan, device: torch.device, world_size: int = 1) -> dict:
-    """Seconds per image of train_one_epoch's steps of the run's model in each candidate, on a synthetic batch of the
-    run's size: the fastest of the samples taken in turns (take_turns), after one untimed step each (two on a GPU,
-    whose first also sets up its libraries). The run's random state is left as it was."""
+    """Seconds per image of the run's model's steps in each candidate (take_turns), its random state left alone."""
     classes = len(plan.split.classes)
     images = config.epochs * len(plan.split.train_images) / world_size  # what this process will train
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -81,10 +76,7 @@ def time_candidates(candidates: list[Choice], config, plan, device: torch.device
 
 
 def take_turns(steps, candidates: list[Choice], warm_up: int, run_steps: float) -> dict:
-    """The fastest step of each candidate, in seconds: `warm_up` untimed steps each, then rounds of one sample per
-    candidate (a step, or several where a step is quicker than SAMPLE_SECONDS): more rounds, up to MAX_ROUNDS, only
-    while the measuring stays within MEASURE_SHARE of the run's `run_steps` steps. A machine whose speed drifts
-    slows every candidate alike."""
+    """The fastest step of each candidate in seconds, timed in turns (docs/performance.md, Machines)."""
     start = time.perf_counter()
     warmed = {candidate: [steps(candidate, 1) for _ in range(warm_up)][-1] for candidate in candidates}
     count = {candidate: max(1, math.ceil(SAMPLE_SECONDS / seconds)) for candidate, seconds in warmed.items()}
@@ -100,12 +92,11 @@ def take_turns(steps, candidates: list[Choice], warm_up: int, run_steps: float) 
 
 
 def stepper(model, batch_size: int, img_size: int, classes: int, device: torch.device):
-    """steps(candidate, count): the seconds `count` steps of train_one_epoch take in `candidate`, on one synthetic
-    batch on the device. Plain SGD: momentum or AdamW would cost every candidate alike (the weights are float32 in
-    all of them), and their state would keep the first candidate's layout."""
+    """steps(candidate, count): the seconds `count` steps of train_one_epoch take in `candidate`."""
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(batch_size, 3, img_size, img_size, generator=generator).to(device)
     labels = torch.randint(0, classes, (batch_size,), generator=generator)  # on the host, as a loader gives them
+    # plain SGD: any optimizer costs every candidate alike, and momentum would keep the first one's layout
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
     def steps(candidate: Choice, count: int) -> float:
@@ -132,14 +123,11 @@ def measured_model(config, classes: int, device: torch.device):
 
 
 def fitting_micro_batch(config, plan, device: torch.device, hungriest: Choice, held: int = 0, world_size: int = 1):
-    """(the largest micro-batch of the run's model that fits `device`, None for the whole batch; the line saying
-    so): passes on synthetic batches in `hungriest`'s precision (float32's activations take most memory), beside
-    what training holds besides: the optimizer's moments, DDP's gradient buckets, the images `held` there."""
+    """(the largest micro-batch that fits `device`, None for the whole batch; its lines), beside what training holds."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model = measured_model(config, len(plan.split.classes), device).to(memory_format=hungriest.memory_format)
-        trained = [p for p in model.parameters() if p.requires_grad]
-        copies = (2 if config.opt == "adamw" else 1) + (world_size > 1)
-        reserve = copies * sum(p.numel() * p.element_size() for p in trained) + held
+        copies = (2 if config.opt == "adamw" else 1) + (world_size > 1)  # the optimizer's moments, DDP's buckets
+        reserve = copies * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + held
         images = torch.randn(config.batch_size, 3, config.img_size, config.img_size, device=device)
         images = images.contiguous(memory_format=hungriest.memory_format)
         size = largest_that_fits(lambda m: pass_fits(model, hungriest, images[:m], reserve, train=True), len(images))
@@ -164,11 +152,20 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_loading(train_set, config, device: torch.device) -> float:
-    """Seconds per image that one loader worker delivers, as the scripts' loaders ship them (loaders): LOADER_BATCHES
-    batches after its first (the worker's start). Where the set holds too few, one core's in this process."""
+    """Seconds per image one loader worker delivers after its first batch (too few batches: one core's, here)."""
     batches = shuffled_batches(train_set, config.batch_size, seed=0)
-    if len(batches) < LOADER_BATCHES + 1:
-        return time_loading_here(train_set)
+    if len(batches) < LOADER_BATCHES + 1:  # one core's, as a worker loads (one thread)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            train_set[(0, 0)]  # untimed: it imports image plug-ins
+            count = min(LOAD_IMAGES, len(train_set))
+            start = time.perf_counter()
+            for index in range(count):
+                train_set[(index, index)]  # (index, augmentation seed), as the loader asks
+            return (time.perf_counter() - start) / count
+        finally:
+            torch.set_num_threads(threads)
     loader = loaders(train_set, train_set, batches, [], config, Choice(workers=1), device)[0]
     loaded = iter(loader)
     next(loaded)  # the worker starts, and loads its first batch
@@ -180,36 +177,18 @@ def time_loading(train_set, config, device: torch.device) -> float:
     return seconds / (LOADER_BATCHES * config.batch_size)
 
 
-def time_loading_here(train_set) -> float:
-    """Seconds one core takes to load one image of `train_set` in this process, as a worker does (one thread): the
-    mean over LOAD_IMAGES images after an untimed first (it imports image plug-ins)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train_set[(0, 0)]
-        count = min(LOAD_IMAGES, len(train_set))
-        start = time.perf_counter()
-        for index in range(count):
-            train_set[(index, index)]  # (index, augmentation seed), as the loader asks
-        return (time.perf_counter() - start) / count
-    finally:
-        torch.set_num_threads(threads)
-
-
 def device_seconds_per_image(train_set, batch_size: int, device: torch.device, memory_format) -> float:
-    """Seconds the device takes to make a training batch, per image: the first images held there, repeated to a
-    batch, made once untimed, then the faster of two."""
+    """Seconds per image the device takes to make a training batch of the first images held there."""
     sample = list(range(min(batch_size, len(train_set))))
     held = hold(train_set, crop_and_flip(train_set.transform)[0].size[0], device, sample)
     batches = TrainingBatches(train_set, [], device, memory_format, held=held)
     index = np.resize(np.arange(len(sample)), batch_size)
     seeds = sample_seeds(0, 0, index)
 
-    def make() -> float:
+    seconds = []
+    for _ in range(3):
         start = time.perf_counter()
         batches.make(index, seeds)
         synchronize(device)
-        return time.perf_counter() - start
-
-    make()
-    return min(make() for _ in range(2)) / batch_size
+        seconds.append(time.perf_counter() - start)
+    return min(seconds[1:]) / batch_size  # the first untimed

@@ -1,2 +1,1 @@
-"""The parts of my_dataset.py: the data folder and its split, images read, decoded once or held on the device,
-transform presets, seeded sampling, the demo data and the start-up check of every image."""
+"""my_dataset.py's parts: the split, images read, decoded or held on the device, transforms, sampling, demo data."""

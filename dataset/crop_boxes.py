@@ -1,9 +1,5 @@
-"""The crop box and flip of a whole epoch's training images at once: the integers RandomResizedCrop and
-RandomHorizontalFlip draw after torch.manual_seed(the image's seed), from the first 23 words of torch's MT19937
-computed for every seed together (milliseconds an epoch, not 0.1 ms an image). Where exp()'s last bit, which math
-libraries may differ in, could tip a rounding, the transforms themselves decide (docs/performance.md, Batches made
-on the device).
-"""
+"""The crop boxes and flips RandomResizedCrop and RandomHorizontalFlip draw after manual_seed(each image's seed), a
+whole epoch's at once (docs/performance.md, Batches made on the device)."""
 
 import numpy as np
 import torch
@@ -16,8 +12,7 @@ CLOSE_TO_HALF = 1e-4  # a square root this close to a half-integer: the transfor
 
 
 def mt19937_words(seeds: np.ndarray, count: int = WORDS) -> np.ndarray:
-    """The first `count` words torch's CPU generator gives after manual_seed(seed), for each of `seeds`: (len(seeds),
-    count) uint32. MT19937's init_genrand, its first twist for the words needed, then its tempering."""
+    """The first `count` words of torch's CPU generator after manual_seed(seed), per seed: (len(seeds), count)."""
     rows = MERSENNE_M + count
     state = np.empty((rows, len(seeds)), dtype=np.uint32)
     state[0] = np.asarray(seeds, dtype=np.uint64) & np.uint64(0xFFFFFFFF)
@@ -42,8 +37,7 @@ def uniform(words: np.ndarray, low: float, high: float) -> np.ndarray:
 
 
 def draw(crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, seeds, heights, widths):
-    """Each image's box (top, left, height, width; int64 (n, 4)) and flip (bool), as `crop` and `flip` draw them
-    for an image of that height and width after torch.manual_seed(seed)."""
+    """Each image's box (top, left, height, width: int64 (n, 4)) and flip, as drawn after manual_seed(its seed)."""
     seeds = np.asarray(seeds, dtype=np.uint64)
     heights, widths = np.asarray(heights, dtype=np.int64), np.asarray(widths, dtype=np.int64)
     words = mt19937_words(seeds)
@@ -93,8 +87,7 @@ def central_box(crop: v2.RandomResizedCrop, height: int, width: int) -> tuple[in
 
 
 def drawn_by_the_transforms(crop, flip, seed: int, height: int, width: int) -> tuple[list[int], bool]:
-    """An image's box and flip drawn by the transforms themselves after manual_seed(seed), this process's generator
-    left as it was."""
+    """An image's box and flip as the transforms draw them after manual_seed(seed), this process's generator kept."""
     make_params = getattr(crop, "make_params", None) or crop._get_params  # torchvision before 0.21: _get_params
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)

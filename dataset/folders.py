@@ -1,5 +1,4 @@
-"""The data folder read into training and validation lists: one sub-folder per class (flower_photos/daisy/1.jpg),
-split at random, or train/ and val/ alone, each with one sub-folder per class (ImageNet's layout), used as given."""
+"""The data folder read into training and validation lists: class sub-folders split at random, or train/ and val/."""
 
 import hashlib
 import os
@@ -25,8 +24,7 @@ class DataSplit:
 
 
 def split_fingerprint(split: DataSplit, root) -> dict:
-    """What tells one split from another, for a run's record: per set, its image count and a sha256 of its sorted
-    (path relative to `root`, label) pairs, so that neither a moved data folder nor the listing order counts."""
+    """Per set, its count and a sha256 of its sorted (path relative to `root`, label) pairs: a moved folder's same."""
 
     def digest(images: list[str], labels: list[int]) -> str:
         pairs = zip(relative_posix(images, root), labels, strict=True)
@@ -42,8 +40,7 @@ def split_fingerprint(split: DataSplit, root) -> dict:
 
 
 def relative_posix(paths, root) -> list[str]:
-    """Each of `paths` relative to `root`, with / on every system ("daisy/1234.jpg"); cut as strings where they
-    can be (a Path object per image costs a second at 100,000 images)."""
+    """`paths` relative to `root`, with / on every system; cut as strings where they can be (Paths: 1 s a 100,000)."""
     prefix = os.path.join(str(root), "")
     return [
         path[len(prefix) :].replace(os.sep, "/") if path.startswith(prefix) else Path(path).relative_to(root).as_posix()
@@ -52,8 +49,7 @@ def relative_posix(paths, root) -> list[str]:
 
 
 def image_names(folder) -> list[str]:
-    """The sorted names of the image files directly inside `folder`, by os.scandir: ten times faster than
-    Path.iterdir and is_file at 100,000 images (docs/performance.md, Start-up)."""
+    """The sorted names of the image files directly inside `folder` (os.scandir: docs/performance.md, Start-up)."""
     with os.scandir(folder) as entries:
         names = [
             entry.name
@@ -80,12 +76,8 @@ def unreadable_images(images: list[str]) -> list[str]:
 
 
 def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None, verify_images=False) -> DataSplit:
-    """The training and validation lists of a dataset in either layout (given_split_folders tells them apart);
-    training, evaluate.py and predict.py all call this, so all of them see the same split.
-
-    With `verify_images`, images that cannot be decoded are left out (listed in .unreadable): True decodes each,
-    a function is given every image at once and returns the unreadable ones (the training scripts pass
-    dataset/image_check.py's ImageCheck, which remembers its verdicts between starts of a run)."""
+    """The training and validation lists of a dataset in either layout. `verify_images`: True decodes each image, a
+    function (ImageCheck) returns those of them it finds unreadable; those are left out, listed in .unreadable."""
     root = Path(root)
     if not root.exists():
         raise UserError(f"data path {root} does not exist")
@@ -106,10 +98,7 @@ def sub_folders(folder: Path) -> list[str]:
 
 
 def given_split_folders(root: Path) -> bool:
-    """Whether `root` holds a split made in advance: its sub-folders are exactly `train` and `val`. With others
-    beside them (a `test/`) it is refused rather than guessed at; with only one of them it is class-per-folder
-    (`train` can be a class of vehicles). Classes named only train and val would be misread, and given_split
-    refuses them, naming the rule."""
+    """Whether `root` holds a split made in advance: exactly `train` and `val` sub-folders (others beside: refused)."""
     names = sub_folders(root)
     if not {"train", "val"} <= set(names):
         return False
@@ -123,8 +112,7 @@ def given_split_folders(root: Path) -> bool:
 
 
 def given_split(root: Path, check) -> DataSplit:
-    """train/ and val/ as they are, whatever the validation rate or seed; both must have the same classes, and
-    every class images in both."""
+    """train/ and val/ as they are; both must have the same classes, and every class images in both."""
     classes = {part: sub_folders(root / part) for part in ("train", "val")}
     for part, names in classes.items():
         if not names:
@@ -151,8 +139,7 @@ def given_split(root: Path, check) -> DataSplit:
 
 
 def random_split(root: Path, val_rate: float, seed: int, check) -> DataSplit:
-    """Each class (a sub-folder) split on its own, so that it is in both sets, its sorted file list shuffled by a
-    generator seeded with (seed, class name): the same split on every rank, run and filesystem."""
+    """Each class split on its own, so that it is in both sets, its sorted list shuffled by (seed, class name)."""
     classes = sub_folders(root)
     if not classes:
         raise UserError(f"data path {root} has no class sub-folders (expected e.g. {root}/daisy/*.jpg)")
@@ -171,31 +158,21 @@ def random_split(root: Path, val_rate: float, seed: int, check) -> DataSplit:
 
 
 def class_images(folders: list[Path], check, unreadable: list[str]) -> list[list[str]]:
-    """The image paths (strings, as the split keeps them) of each class folder, less those `check` finds
-    unreadable (added to `unreadable`). A folder left without images is an error in either set: a class never
-    validated has no recall, one never trained cannot be learned."""
+    """Each class folder's image paths, less those `check` finds unreadable (into `unreadable`); UserError if none."""
     found = [paths_in(folder) for folder in folders]
     if check is not None:
         bad = set(check([path for images in found for path in images]))
         unreadable += [path for images in found for path in images if path in bad]
         found = [[path for path in images if path not in bad] for images in found]
-    for folder, images in zip(folders, found, strict=True):
-        if not images:
-            raise UserError(no_images_in(folder))
+    for folder in (folder for folder, images in zip(folders, found, strict=True) if not images):
+        message = f"class folder {folder} holds no readable images ({' '.join(IMAGE_EXTENSIONS)})"
+        if inside := sub_folders(folder):
+            message += (
+                f", only sub-folders ({describe(inside)}), whose images are not read: a class's images lie directly in "
+                "its folder (is the data path one level too high?)"
+            )
+        raise UserError(message)
     return found
-
-
-def no_images_in(folder: Path) -> str:
-    """Why class folder `folder` gives no image: none readable, or only sub-folders (a data path one level too
-    high)."""
-    message = f"class folder {folder} holds no readable images ({' '.join(IMAGE_EXTENSIONS)})"
-    inside = sub_folders(folder)
-    if inside:
-        message += (
-            f", only sub-folders ({describe(inside)}), whose images are not read: a class's images lie directly in "
-            "its folder (is the data path one level too high?)"
-        )
-    return message
 
 
 def write_class_indices(classes: list[str], output_dir) -> None:

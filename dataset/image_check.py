@@ -1,9 +1,5 @@
-"""The start-up check of a run's images: each decoded once, so that unreadable ones are left out (or, with
---strict-images, stop the run); its verdicts remembered in the run's folder (checked_images.json, keyed by path,
-size and modification time), so that a restart decodes only new or changed images; under torchrun, done by one
-rank under a lock in that folder while the others wait (docs/resuming-and-failures.md, Unreadable images at the
-start).
-"""
+"""The start-up check of a run's images, decoded once, the verdicts kept in the run's folder so that a restart decodes
+only new or changed ones (docs/resuming-and-failures.md, Unreadable images at the start)."""
 
 import contextlib
 import json
@@ -23,10 +19,8 @@ FORMAT = 1
 
 
 class ImageCheck:
-    """read_split_data's verify_images function for a run: the unreadable ones of the images of data folder
-    `root`, decoding only those with no verdict remembered in `folder` (the run's, or None if not known yet).
-    `shared`: other ranks check the same images at once, so decode under a lock in `folder` and write the verdicts
-    at once; otherwise save() writes them when the folder is this process's."""
+    """read_split_data's verify_images for a run, its verdicts kept in `folder` (None: not known yet). `shared`: the
+    other ranks check the same images, so one decodes under a lock and writes at once; otherwise save() writes."""
 
     def __init__(self, root, folder: Path | None, shared: bool = False):
         self.root, self.folder, self.shared = Path(root), folder, shared and folder is not None
@@ -52,8 +46,7 @@ class ImageCheck:
         return [path for name, (path, key) in now.items() if key is None or self.verdicts[name][2] is not None]
 
     def remembered(self, folder: Path | None, quietly: bool = False) -> dict[str, list]:
-        """The verdicts kept in `folder`; none from a damaged file (warned of unless `quietly`), which save()
-        replaces."""
+        """The verdicts kept in `folder`; none from a damaged file (warned of unless `quietly`)."""
         try:
             return read_verdicts(folder)
         except UserError as damage:
@@ -62,13 +55,10 @@ class ImageCheck:
             return {}
 
     def stale(self, now: dict) -> list[str]:
-        """The images in `now` (relative path: (path, key)) without a verdict for the file as it is now (a vanished
-        one, with no key, needs none: it is unreadable)."""
-        return [name for name, (_, key) in now.items() if key is not None and self.key_of(name) != key]
-
-    def key_of(self, name: str) -> tuple[int, int] | None:
-        verdict = self.verdicts.get(name)
-        return None if verdict is None else (verdict[0], verdict[1])
+        """The images in `now` (name: (path, key)) without a verdict for the file as it is (a vanished one: none)."""
+        return [
+            name for name, (_, key) in now.items() if key is not None and tuple(self.verdicts.get(name, ())[:2]) != key
+        ]
 
     def decode(self, now: dict) -> None:
         for name in self.stale(now):
@@ -85,12 +75,10 @@ class ImageCheck:
         self.verdicts = listed
 
     def save(self, folder: Path, merge: bool = False) -> None:
-        """Write the verdicts, if any changed, into `folder` (atomically): by the process that writes the run's
-        files once it holds the folder (plan.prepare), and by evaluate.py, which `merge`s its verdicts in."""
+        """Write the verdicts, if any changed, into `folder` (atomically); `merge`: with those there (evaluate.py)."""
         if not self.unsaved:
             return
-        # Merged with those there: the ranks check before rank 0 holds the folder, and a run then refused (another
-        # run holds it) must not take that run's verdicts away; nor may an evaluation of other images.
+        # Merged: a run refused (another holds the folder) must not take that run's verdicts away, nor an evaluation
         verdicts = self.remembered(folder, quietly=True) | self.verdicts if self.shared or merge else self.verdicts
         record = {"format": FORMAT, "root": str(self.root), "images": verdicts}
         text = json.dumps(record, separators=(",", ":"))
@@ -101,18 +89,15 @@ class ImageCheck:
 @contextlib.contextmanager
 def check_lock(folder: Path):
     """Hold the lock in `folder` that a run's ranks take in turn to check its images; UserError if it cannot."""
-    lock = FileLock(folder / CHECK_LOCK)
     try:
-        lock.acquire()
+        held = FileLock(folder / CHECK_LOCK).acquire()
     except OSError as error:
         raise UserError(
             f"cannot take the lock {folder / CHECK_LOCK}: {error.strerror or error} (the lock the processes of a run "
             "take in turn to check its images is a file this user can open): remove it and run again"
         ) from None
-    try:
+    with held:
         yield
-    finally:
-        lock.release()
 
 
 def file_key(path: str) -> tuple[int, int] | None:
@@ -125,8 +110,7 @@ def file_key(path: str) -> tuple[int, int] | None:
 
 
 def read_verdicts(folder: Path | None) -> dict[str, list]:
-    """The verdicts remembered in `folder` (none without the file); UserError naming the file if it is not one this
-    code wrote whole."""
+    """The verdicts kept in `folder` (none without the file); UserError if the file is not one this code wrote."""
     path = None if folder is None else folder / CHECKED_IMAGES
     if path is None or not path.exists():
         return {}
@@ -145,9 +129,5 @@ def read_verdicts(folder: Path | None) -> dict[str, list]:
 
 def is_verdict(verdict) -> bool:
     """Whether `verdict` is [size, mtime_ns, problem or None], as decode() keeps it."""
-    return (
-        isinstance(verdict, list)
-        and len(verdict) == 3
-        and not misfits(verdict[:2], [int])
-        and not misfits(verdict[2], (str, type(None)))
-    )
+    three = isinstance(verdict, list) and len(verdict) == 3
+    return three and not misfits(verdict[:2], [int]) and not misfits(verdict[2], (str, type(None)))

@@ -1,5 +1,4 @@
-"""Reading an image file: any image PIL reads, as 8-bit RGB, large JPEGs decoded at a reduced scale; its size
-from the header alone; and whether it can be decoded at all."""
+"""Reading an image file: any image as 8-bit RGB (large JPEGs at reduced scale), its size, whether it decodes."""
 
 import math
 
@@ -22,9 +21,7 @@ def image_problem(path) -> str | None:
 
 
 def load_rgb(path, min_side: int | None = None) -> Image.Image:
-    """Open any image PIL reads (grey, palette, alpha, CMYK, 16-bit or float) as 8-bit RGB. With `min_side`, a
-    large JPEG is decoded at 1/2, 1/4 or 1/8 scale with its shorter side at least `min_side` (draft): a 4000x3000
-    photo validated at 224 px decodes 64 times fewer pixels."""
+    """Any image PIL reads (grey, palette, alpha, CMYK, 16-bit, float) as 8-bit RGB, JPEGs drafted to `min_side`."""
     with Image.open(path) as image:
         draft(image, min_side)
         image = ImageOps.exif_transpose(image)  # phone photos are often stored sideways with a rotation tag
@@ -39,16 +36,14 @@ def load_rgb(path, min_side: int | None = None) -> Image.Image:
 
 
 def draft(image: Image.Image, min_side: int | None) -> None:
-    """Have PIL decode the JPEG `image` at 1/2, 1/4 or 1/8 scale where its shorter side stays at least `min_side`
-    (its size says the reduced size at once)."""
+    """Have PIL decode the JPEG `image` at 1/2, 1/4 or 1/8 scale with its shorter side at least `min_side`."""
     if min_side is not None and min(image.size) > 2 * min_side:
         scale = min_side / min(image.size)
         image.draft("RGB", (math.ceil(image.width * scale), math.ceil(image.height * scale)))
 
 
 def decoded_size(path, min_side: int | None = None) -> tuple[int, int] | None:
-    """(height, width) of load_rgb(path, min_side)'s image from the file's header alone (a quarter turn by EXIF
-    included); None if PIL cannot open the file."""
+    """(height, width) of load_rgb(path, min_side)'s image from the header alone; None if PIL cannot open it."""
     try:
         with Image.open(path) as image:
             draft(image, min_side)

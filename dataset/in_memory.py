@@ -1,5 +1,4 @@
-"""Decoding once: every image of a run decoded into memory at the start, where they fit, as 8-bit pixels in one
-tensor, so that an epoch only crops and flips them."""
+"""Decoding once: a run's images decoded into memory at the start, where they fit, so an epoch only crops them."""
 
 import hashlib
 import itertools
@@ -25,10 +24,7 @@ SHARED_FOLDERS = [Path("/dev/shm"), Path(tempfile.gettempdir())]
 
 
 class DecodedImages:
-    """A MyDataSet's images as load_rgb decodes them, 8-bit in one tensor: image i is `shapes[i]` (height, width)
-    x 3 bytes from `pixels[offsets[i]]` (-1: not decoded, read from its file), given out as v2.ToImage's 3 x height
-    x width tensor, so every transform computes what it would on the file's image. Loader workers share the
-    tensor: inherited by fork, or in shared memory by spawn."""
+    """A MyDataSet's images in one 8-bit tensor: image i, `shapes[i]` x 3 bytes at `pixels[offsets[i]]` (-1: none)."""
 
     def __init__(self, pixels: torch.Tensor, offsets: torch.Tensor, shapes: torch.Tensor):
         self.pixels, self.offsets, self.shapes = pixels, offsets, shapes
@@ -42,31 +38,23 @@ class DecodedImages:
 
 
 def decode_once(sets: list, gigabytes: float | None, process=None) -> str:
-    """Decode every image of `sets` (MyDataSets) once into memory, if all fit in `gigabytes` (None: memory_budget;
-    0: none); returns the line saying what it did, within what budget. Under DDP the processes of one machine
-    share one decoding (decode_on_this_machine)."""
+    """Decode every image of `sets` into memory if all fit in `gigabytes` (None: memory_budget); says what it did."""
     if process is None or process.local_world_size == 1:
         return decode_here(sets, gigabytes, 1, available_cores())
     return decode_on_this_machine(sets, gigabytes, process)
 
 
 def decode_on_this_machine(sets: list, gigabytes: float | None, process) -> str:
-    """The first process of this machine decodes with all of its cores and writes the pixels to a file (share);
-    the others wait, then copy it into memory of their own (read_shared), and it is removed; two barriers keep
-    every machine's processes together. Where the file cannot be written, each decodes its own, the line says
-    why."""
+    """The first process of this machine decodes, the others copy its file (share); if none, each decodes its own."""
     token = [uuid.uuid4().hex]
     dist.broadcast_object_list(token)  # one name for this start of the job, rank 0's
-    name = f"decoded-images-{token[0]}-{host_tag()}"
-    places = [folder / name for folder in SHARED_FOLDERS]
+    name = f"decoded-images-{token[0]}-{hashlib.sha256(platform.node().encode()).hexdigest()[:8]}"  # by machine
+    places, here = [folder / name for folder in SHARED_FOLDERS], process.local_world_size
     if process.local_rank == 0:
-        line = decode_here(sets, gigabytes, process.local_world_size, available_cores())
-        line = share(sets, line, places)
+        line = share(sets, decode_here(sets, gigabytes, here, available_cores()), places)
     dist.barrier()
     if process.local_rank != 0:
-        line = read_shared(sets, places) or decode_here(
-            sets, gigabytes, process.local_world_size, cores_per_process(process.local_world_size)
-        )
+        line = read_shared(sets, places) or decode_here(sets, gigabytes, here, cores_per_process(here))
     dist.barrier()
     if process.local_rank == 0:
         for path, suffix in itertools.product(places, (".pt", ".pixels")):
@@ -75,9 +63,7 @@ def decode_on_this_machine(sets: list, gigabytes: float | None, process) -> str:
 
 
 def share(sets: list, line: str, places: list[Path]) -> str:
-    """Write `sets`' pixels to <place>.pixels, then their offsets, shapes and `line` to <place>.pt (the sign that
-    all is written), at the first of `places` with room to spare: /dev/shm (1.4 GB in 0.7 s, against 5.8 s to
-    disk) unless it is a container's 64 MB. Returns `line`, with why where nothing could be written."""
+    """Write `sets`' pixels, then their shapes and `line` (the sign all is there), where there is room; says why not."""
     decoded = [data.decoded for data in sets]
     needed = sum(images.pixels.numel() for images in decoded if images is not None)
     path = next((place for place in places if room(place.parent) > 1.25 * needed), places[-1])
@@ -103,8 +89,7 @@ def room(folder: Path) -> int:
 
 
 def read_shared(sets: list, places: list[Path]) -> str | None:
-    """The line of the decoding this machine's first process left at one of `places`, its images copied onto
-    `sets`; None where it left none."""
+    """The line of the decoding this machine's first process left at `places` (or None), its images put on `sets`."""
     path = next((place for place in places if place.with_suffix(".pt").exists()), None)
     if path is None:
         return None
@@ -119,14 +104,8 @@ def read_shared(sets: list, places: list[Path]) -> str | None:
     return shared["line"]
 
 
-def host_tag() -> str:
-    """A tag of this machine's name: machines that share a temporary folder keep their files apart."""
-    return hashlib.sha256(platform.node().encode()).hexdigest()[:8]
-
-
 def decode_here(sets: list, gigabytes: float | None, processes_here: int, threads: int) -> str:
-    """decode_once in this process, by `threads` threads (PIL decodes without the GIL), within one of
-    `processes_here` processes' budget; the sizes from the headers first, to know whether they fit."""
+    """decode_once here, by `threads` threads, within one of `processes_here` processes' budget."""
     budget, why = memory_budget(gigabytes, processes_here)
     if budget is None:
         return f"Images: decoded from their files every epoch: {why} (--image-cache-gb)"
@@ -155,25 +134,20 @@ def decode_here(sets: list, gigabytes: float | None, processes_here: int, thread
 
 
 def memory_budget(gigabytes: float | None, processes_here: int) -> tuple[float | None, str]:
-    """(the bytes of decoded images this process may hold, that budget in words): `gigabytes`, or else a quarter
-    of the memory this run may use (machine.memory_limit) shared among this machine's `processes_here` processes;
-    (None, why) where the system does not say its memory."""
+    """(bytes this process may decode into, in words): `gigabytes`, or a quarter of this run's memory over its
+    `processes_here` processes; (None, why) where the system does not say its memory."""
     if gigabytes is not None:
         return gigabytes * 1e9, f"the {gigabytes:.1f} GB of --image-cache-gb"
     limit, source = memory_limit()
     if limit is None:
         return None, source
     budget = limit / 4 / processes_here
-    shared = f", shared among {processes_here} processes" if processes_here > 1 else ""
-    return (
-        budget,
-        f"the {budget / 1e9:.1f} GB budget: a quarter of the {limit / 1e9:.1f} GB this run may use ({source}){shared}",
-    )
+    why = f"the {budget / 1e9:.1f} GB budget: a quarter of the {limit / 1e9:.1f} GB this run may use ({source})"
+    return budget, why + (f", shared among {processes_here} processes" if processes_here > 1 else "")
 
 
 def decoded_images(data, shapes: torch.Tensor, pool: ThreadPoolExecutor) -> DecodedImages:
-    """The images of `data` decoded by `pool` into one tensor, where `shapes` (from decoded_size) says; one that
-    fails to decode, or decodes to another size, is left to its file (offset -1)."""
+    """The images of `data` decoded by `pool` into one tensor; one that fails, or differs in size, left to its file."""
     sizes = 3 * shapes.prod(dim=1)
     ends = sizes.cumsum(dim=0)
     offsets = ends - sizes
@@ -199,8 +173,7 @@ def decoded_images(data, shapes: torch.Tensor, pool: ThreadPoolExecutor) -> Deco
 
 
 def in_chunks(pool: ThreadPoolExecutor, function, items, chunk: int = 64) -> list:
-    """[function(item) for item in items] by `pool`'s threads, `chunk` items a task: a task per item costs 0.1 ms,
-    more than a small image takes to decode."""
+    """[function(item) for item in items] by `pool`'s threads, `chunk` items a task (one costs 0.1 ms)."""
     items = list(items)
     parts = [items[start : start + chunk] for start in range(0, len(items), chunk)]
     return [result for part in pool.map(lambda part: [function(item) for item in part], parts) for result in part]

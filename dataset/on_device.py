@@ -1,9 +1,5 @@
-"""Batches made on the device (--batches device): the images held where the model trains as 8-bit pixels, each
-training batch cropped (with the loader's own boxes: dataset/crop_boxes.py), resized, flipped and normalised there
-in a few operations, validation images transformed once; no loader processes. TrainingBatches and
-ValidationBatches stand in for a DataLoader where train_one_epoch and evaluate take one (docs/performance.md,
-Batches made on the device).
-"""
+"""Batches made on the device (--batches device), in place of DataLoaders: the images held there, each batch cropped
+with the loader's boxes, resized and flipped there (docs/performance.md, Batches made on the device)."""
 
 import math
 import sys
@@ -21,17 +17,15 @@ from machine import cores_per_process
 
 
 class HeldImages:
-    """A MyDataSet's images on the device: `pixels` (images, height + taps, width + taps, 3) uint8, each image in
-    its top-left corner, zeros around it so that every resampling weight falls inside; `sizes` (height, width) and
-    `labels` (SKIPPED: unreadable) in host memory."""
+    """A MyDataSet's images on the device, each top-left in (height + taps, width + taps, 3) of zeros (`pixels`);
+    `sizes` and `labels` (SKIPPED: unreadable) on the host."""
 
     def __init__(self, pixels: torch.Tensor, sizes: np.ndarray, labels: np.ndarray, taps: int):
         self.pixels, self.sizes, self.labels, self.taps = pixels, sizes, labels, taps
 
 
 def resampling_taps(largest_side: int, size: int) -> int:
-    """The most input pixels one output pixel of an antialiased bilinear resize to `size` reads, over any crop of
-    a side up to `largest_side`."""
+    """The most input pixels one output pixel of an antialiased resize to `size` reads, from sides to `largest_side`."""
     return math.ceil(2 * max(1.0, largest_side / size)) + 1
 
 
@@ -44,8 +38,7 @@ def held_size(data, size: int) -> tuple[int, int, int]:
 
 
 def hold(data, size: int, device: torch.device, indices=None) -> HeldImages:
-    """`data`'s decoded images (or those of `indices`) in one padded tensor on `device`, copied a chunk at a time;
-    one that cannot be read is left black and labelled SKIPPED, with a warning, as MyDataSet does."""
+    """`data`'s images (or those of `indices`) held on `device`; one unreadable is black, SKIPPED, warned of."""
     _, padded_height, padded_width = held_size(data, size)
     taps = resampling_taps(int(data.decoded.shapes.max()) if len(data) else 1, size)
     indices = list(range(len(data))) if indices is None else list(indices)
@@ -80,9 +73,7 @@ def decoded_pixels(data, index: int) -> torch.Tensor | None:
 
 
 class TrainingBatches:
-    """The training batches of `batch_sampler` (a SeededBatchSampler) made on `device` from `dataset`'s images
-    held there (`held`, or all of them, held now), cropped and flipped as its transform would: on a GPU normalised,
-    in `memory_format`; on the CPU 8-bit, as the loader's. Batches are (images on the device, labels on the host)."""
+    """`batch_sampler`'s batches made on `device` as `dataset`'s transform would (normalised on a GPU, 8-bit else)."""
 
     def __init__(self, dataset, batch_sampler, device, memory_format=torch.contiguous_format, held=None):
         self.dataset, self.batch_sampler, self.memory_format = dataset, batch_sampler, memory_format
@@ -106,8 +97,7 @@ class TrainingBatches:
             start += len(batch)
 
     def plan(self, index: np.ndarray, seeds: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each image's row (index, top, left, height, width, flip) on the device and the labels on the host, for a
-        whole epoch at once: one copy to the device."""
+        """Each image's row (index, top, left, height, width, flip) on the device, and the labels: one copy."""
         sizes = self.held.sizes[index]
         boxes, flips = draw(self.crop, self.flip, seeds, sizes[:, 0], sizes[:, 1])
         plan = torch.from_numpy(np.concatenate([index[:, None], boxes, flips[:, None]], axis=1))
@@ -129,23 +119,16 @@ class TrainingBatches:
 
 
 def crop_and_flip(transform: v2.Compose) -> tuple[v2.RandomResizedCrop, v2.RandomHorizontalFlip]:
-    """The RandomResizedCrop and RandomHorizontalFlip of a training transform with nothing else random (without
-    --auto-augment or --random-erase); ValueError otherwise."""
+    """The RandomResizedCrop and RandomHorizontalFlip of a training transform with nothing else; ValueError if not."""
     steps = [step for step in transform.transforms if not isinstance(step, v2.ToImage)]
-    if (
-        len(steps) != 2
-        or not isinstance(steps[0], v2.RandomResizedCrop)
-        or type(steps[1]) is not v2.RandomHorizontalFlip
-    ):
+    plain = len(steps) == 2 and isinstance(steps[0], v2.RandomResizedCrop)
+    if not plain or type(steps[1]) is not v2.RandomHorizontalFlip:
         raise ValueError(f"not a plain crop and flip: {transform}")
     return steps[0], steps[1]
 
 
 def resized_crops(pixels, taps: int, rows: torch.Tensor, size: int) -> torch.Tensor:
-    """The boxes `rows` name, (index, top, left, height, width, flip) each, of the held `pixels`, resized to `size`
-    x `size` with antialiasing and flipped where flip is 1, the way measured fastest (docs/performance.md, Batches
-    made on the device): on the CPU, the loader's own resized_crop per image (its 8-bit crops, bitwise); on a GPU,
-    resampled_by_matrices, a few operations for the whole batch rather than hundreds of kernels."""
+    """The boxes `rows` name (index, top, left, height, width, flip) resized to `size` x `size`, flipped where 1."""
     if pixels.device.type != "cpu":
         return resampled_by_matrices(pixels, taps, rows, size)
     crops = []
@@ -156,9 +139,7 @@ def resized_crops(pixels, taps: int, rows: torch.Tensor, size: int) -> torch.Ten
 
 
 def resampled_by_matrices(pixels, taps: int, rows: torch.Tensor, size: int) -> torch.Tensor:
-    """resized_crops on a GPU: each box resized as interpolate(mode="bilinear", antialias=True) would, to within
-    rounding of its 8-bit result, as values 0-255 in float16 (float32 off a GPU). Separable, as that filter is: the
-    rows, then the columns, each a batched matrix product whose weights are zero outside the box."""
+    """resized_crops on a GPU, to within rounding, as 0-255 in float16: rows, then columns, by matrix products."""
     dtype = torch.float16 if pixels.device.type == "cuda" else torch.float32
     index, top, left, height, width, flipped = rows.unbind(1)
     batch, padded_height, padded_width = len(index), pixels.shape[1], pixels.shape[2]
@@ -172,10 +153,8 @@ def resampled_by_matrices(pixels, taps: int, rows: torch.Tensor, size: int) -> t
 
 
 def resampling_weights(start, length, size: int, padded: int, taps: int, flipped, dtype) -> torch.Tensor:
-    """(len(start), size, padded): each image's weights of output pixel i over the input pixels of its span
-    start .. start + length - 1, as aten's _compute_indices_min_size_weights_aa weighs them (a triangle as wide as
-    the downscaling factor, at least 1, around i's centre, summing to 1); flipped images' outputs in reverse.
-    Computed for the `taps` inputs from the first that can weigh, then placed in a matrix of zeros."""
+    """(len(start), size, padded): each output pixel's weights over its span's inputs, as aten's
+    _compute_indices_min_size_weights_aa weighs them; flipped images' outputs in reverse."""
     device = start.device
     scale = length.double() / size  # input pixels per output pixel
     support = torch.clamp(scale, min=1.0)  # the filter's half-width, in input pixels
@@ -196,9 +175,7 @@ def resampling_weights(start, length, size: int, padded: int, taps: int, flipped
 
 
 class ValidationBatches:
-    """The validation batches of this process's `indices` of `dataset`: each image transformed once, at the start
-    (by `workers` threads), and kept on `device` as 8-bit pixels; a batch is a slice (images, labels on the
-    host)."""
+    """The validation batches of `indices` of `dataset`, each image transformed once and kept on `device`."""
 
     def __init__(self, dataset, indices, batch_size: int, device: torch.device, workers: int | None = None):
         self.dataset, self.indices, self.batch_size = dataset, list(indices), batch_size

@@ -1,5 +1,4 @@
-"""Seeded sampling: every training image's random augmentation drawn from a seed of its own, a function of (seed,
-epoch, index), so that it does not depend on which loader worker, or how many, loads it."""
+"""Seeded sampling: each image's augmentation drawn from a seed of (seed, epoch, index), whatever loads it."""
 
 import itertools
 
@@ -8,8 +7,7 @@ from torch.utils.data import Sampler
 
 
 class SeededBatchSampler(Sampler):
-    """Wraps a batch sampler (of a DistributedSampler, reshuffled by set_epoch): each index goes out as (index,
-    seed), the seed a function of (seed, epoch, index)."""
+    """A batch sampler (of a DistributedSampler) whose indices go out as (index, seed of (seed, epoch, index))."""
 
     def __init__(self, batch_sampler, seed: int):
         self.batch_sampler, self.seed, self.epoch, self.start = batch_sampler, seed, 0, 0
@@ -37,9 +35,7 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 def sample_seeds(seed: int, epoch: int, indices) -> np.ndarray:
-    """sample_seed(seed, epoch, index) for every index of `indices` (each below 2**32) at once, as uint64:
-    SeedSequence's hash vectorised over the indices, as SeedSequence itself takes 27 us a key (80 ms an epoch of
-    3,000 images, a GPU's whole epoch). tests/test_on_device.py checks it against sample_seed."""
+    """sample_seed for every index (each below 2**32) at once, as uint64 (tests/test_on_device.py checks they agree)."""
     indices = np.asarray(indices, dtype=np.uint64)
     words = [np.full(len(indices), word, dtype=np.uint32) for word in [*uint32_words(seed), *uint32_words(epoch)]]
     words.append(indices.astype(np.uint32))
@@ -94,12 +90,10 @@ def uint32_words(value: int) -> list[int]:
 
 
 def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
-    """A 63-bit seed for what step `step` of `epoch` draws on process `rank` (dropout's masks), unrelated to every
-    sample's (its key ends in 1: a sample's is as if padded with zeros)."""
+    """A 63-bit seed for what a step draws on process `rank` (dropout's masks), unrelated to every sample's."""
     return seed_of(seed, epoch, step, rank, 1)
 
 
 def seed_of(*key: int) -> int:
-    """A 63-bit seed for `key`: keys that differ other than by trailing zeros (SeedSequence pads with them) give
-    unrelated streams."""
+    """A 63-bit seed for `key`: keys that differ other than by trailing zeros give unrelated streams."""
     return int(np.random.SeedSequence(list(key)).generate_state(1, dtype=np.uint64)[0] >> 1)

@@ -1,5 +1,4 @@
-"""The transform presets, on 8-bit images: random crop and flip (and, if asked, more augmentation) for training,
-resize and centre crop for validation; and the ImageNet normalisation, done on the device."""
+"""The transform presets on 8-bit images, for training and validation, and ImageNet's normalisation on the device."""
 
 import functools
 import math
@@ -15,8 +14,7 @@ AUTO_AUGMENT = {"trivialaugment": v2.TrivialAugmentWide, "randaugment": v2.RandA
 
 
 class Preset(v2.Compose):
-    """A transform, and the shortest image side it needs to keep full resolution (`min_side`): MyDataSet decodes
-    large JPEGs at reduced scale down to that side (load_rgb)."""
+    """A transform, and the shortest image side it needs at full resolution: load_rgb's `min_side`."""
 
     def __init__(self, transforms: list, min_side: int):
         super().__init__(transforms)
@@ -24,19 +22,14 @@ class Preset(v2.Compose):
 
 
 def train_transform(img_size: int, auto_augment: str = "none", random_erase: float = 0.0) -> Preset:
-    """Random crop and flip, as for ImageNet training; then, if asked, TrivialAugmentWide or RandAugment, and
-    random erasing (with MEAN_PIXEL, about 0 once normalised). 8-bit throughout: cheaper to crop than PIL images or
-    floats (docs/performance.md, What each change bought), a quarter of float32's bytes to the device, normalised
-    there."""
+    """Random crop and flip, as for ImageNet training, then if asked --auto-augment and random erasing; 8-bit."""
     crop = v2.RandomResizedCrop(img_size, antialias=True)
-    # The smallest crop (smallest area, most elongated aspect) spans sqrt(scale * aspect) of the shorter side, and
-    # should still hold img_size pixels.
+    # The smallest crop spans sqrt(scale * aspect) of the shorter side, and should still hold img_size pixels
     narrowest = min(crop.ratio[0], 1 / crop.ratio[1])
     min_side = math.ceil(img_size / math.sqrt(crop.scale[0] * narrowest))
     augment = [AUTO_AUGMENT[auto_augment]()] if auto_augment != "none" else []
     erase = [v2.RandomErasing(random_erase, value=MEAN_PIXEL)] if random_erase > 0 else []
-    steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip(), *augment, *erase]
-    return Preset(steps, min_side)
+    return Preset([v2.ToImage(), crop, v2.RandomHorizontalFlip(), *augment, *erase], min_side)
 
 
 def val_transform(img_size: int) -> Preset:
@@ -46,9 +39,8 @@ def val_transform(img_size: int) -> Preset:
 
 
 def normalise(images: torch.Tensor) -> torch.Tensor:
-    """8-bit images (one, or a batch) normalised by the ImageNet mean and deviation into float32; any other type
-    is taken to be normalised already. One fused pass with constants made on each device once: copying them with
-    every batch would make the host wait for the device each step."""
+    """8-bit images normalised by ImageNet's mean and deviation into float32 (any other type is taken as normalised),
+    the constants made on each device once: copying them each batch would make the host wait for the device."""
     if images.dtype != torch.uint8:
         return images
     scale, shift = normalising_constants(images.device)
@@ -56,8 +48,7 @@ def normalise(images: torch.Tensor) -> torch.Tensor:
 
 
 def normalise_pixels(pixels: torch.Tensor, memory_format=torch.contiguous_format) -> torch.Tensor:
-    """A batch of pixel values 0-255 of any type (dataset/on_device.py's floats too) normalised as by `normalise`,
-    into float32 in `memory_format`."""
+    """A batch of pixel values 0-255 of any type normalised as by `normalise`, into float32 in `memory_format`."""
     scale, shift = normalising_constants(pixels.device)
     out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device, memory_format=memory_format)
     return torch.addcmul(shift, pixels, scale, out=out)

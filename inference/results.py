@@ -42,16 +42,12 @@ def results_path(text: str) -> Path:
     return path
 
 
-def add_results_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--results",
-        type=results_path,
-        metavar="FILE",
-        help="write one row per image to FILE, .csv or .jsonl: its path, true class where known, top classes with "
-        "their probabilities, or why it could not be read (see docs/trained-models.md)",
-    )
-    parser.add_argument("--force", action="store_true", help="replace the --results file if it exists")
-    parser.add_argument(
+def add_results_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--results", type=results_path, metavar="FILE", help="write one row per image to FILE, .csv or "
+                   ".jsonl: its path, true class where known, top classes with their probabilities, or why it could "
+                   "not be read (see docs/trained-models.md)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="replace the --results file if it exists")
+    p.add_argument(
         "--topk", type=positive_int, default=3, help="classes per image, likeliest first (at most all of them)"
     )
 
@@ -74,8 +70,7 @@ class ResultsWriter:
 
     def write(self, rows: list[Row]) -> None:
         for row in rows:
-            probabilities = [round(probability, DECIMALS) for _, probability in row.top]
-            names = [name for name, _ in row.top]
+            names, probabilities = [name for name, _ in row.top], [round(p, DECIMALS) for _, p in row.top]
             if self.jsonl:
                 record = {"path": row.path, "true_class": row.true_class, "classes": names,
                           "probabilities": probabilities, "unreadable": row.unreadable}  # fmt: skip

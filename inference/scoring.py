@@ -27,18 +27,12 @@ from utils import UserError, positive_int
 UNKNOWN = -1  # the label of an image whose true class is not known (predict.py's)
 
 
-def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tta",
-        action="store_true",
-        help="test-time augmentation: each image's probabilities averaged with its mirror image's (twice the work)",
-    )
-    parser.add_argument(
-        "--world-size",
-        type=positive_int,
-        help="start this many processes with torch.multiprocessing.spawn, each scoring its share of the images "
-        "(under torchrun, leave it out: --nproc_per_node says how many)",
-    )
+def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tta", action="store_true", help="test-time augmentation: each image's probabilities averaged "
+                   "with its mirror image's (twice the work)")  # fmt: skip
+    p.add_argument("--world-size", type=positive_int, help="start this many processes with torch.multiprocessing."
+                   "spawn, each scoring its share of the images (under torchrun, leave it out: --nproc_per_node says "
+                   "how many)")  # fmt: skip
 
 
 def join_group(device: str | None, rank: int | None = None, world_size: int | None = None) -> Process:
@@ -58,8 +52,7 @@ def spawned_world_size(requested: int, device: str | None) -> int:
 
 @dataclass
 class ScoredBatch:
-    """Consecutive images from position `start`: their class probabilities (float32, on the host), and whether each
-    could be read (an unreadable one was scored as a blank image)."""
+    """Consecutive images from `start`: their probabilities (float32, on the host), and whether each could be read."""
 
     start: int
     probabilities: torch.Tensor
@@ -69,12 +62,9 @@ class ScoredBatch:
 def scored_batches(
     trained: TrainedModel, loader, count: int, world_size: int, tta=False, tally: Tally | None = None, progress=None
 ):
-    """On rank 0, the ScoredBatch of all `count` images, in their order; the other ranks score their shards for it
-    and yield nothing. `loader` gives this process's shard (val_shard) in batches of B: row j of rank r's batch k is
-    image N (kB + j) + r for world size N, so the rows gathered j by j, rank by rank, are in order, and the padding
-    of the last batches falls after the last image (docs/trained-models.md); a process past its shard's end scores
-    an empty batch. With `tally`, this process's batches are counted in it too. A gathered batch travels to the host
-    while the next one computes: on a GPU the host never waits for the batch it has just queued."""
+    """On rank 0, the ScoredBatch of all `count` images in their order (why: docs/trained-models.md); the other ranks
+    score their shards (`loader`: val_shard's) for it and yield nothing. With `tally`, this process's batches are
+    counted in it too. A gathered batch travels to the host while the next one computes."""
     device, batch_size = trained.device, loader.batch_size
     steps = math.ceil(math.ceil(count / world_size) / batch_size)  # rank 0's batches: its shard is the longest
     batches, on_the_way = iter(loader), None
@@ -127,7 +117,6 @@ def gathered_in_order(probabilities: torch.Tensor, readable: torch.Tensor, batch
 
 
 def scored(start: int, on_the_way: ToHost) -> ScoredBatch:
-    """The ScoredBatch of gathered rows on their way to the host, once they have arrived."""
     rows = on_the_way.arrived()
     return ScoredBatch(start, rows[:, :-1], rows[:, -1].bool().tolist())
 
@@ -138,8 +127,7 @@ def rows_of(batch: ScoredBatch, images: list, labels: list[int], classes: list[s
     top = batch.probabilities.topk(topk, dim=1)
     rows = []
     for offset, (values, indices) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True)):
-        position = batch.start + offset
-        path, label = images[position], labels[position]
+        path, label = images[batch.start + offset], labels[batch.start + offset]
         true_class = None if label == UNKNOWN else classes[label]
         if batch.readable[offset]:
             rows.append(Row(str(path), true_class, [(classes[c], p) for c, p in zip(indices, values, strict=True)]))

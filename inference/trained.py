@@ -39,20 +39,7 @@ class TrainedModel:
 
 
 def run_folder(weights: Path) -> Path:
-    """The folder that holds weights/ for best.pth, last.pth ..., else the weights' own folder."""
     return weights.parent.parent if weights.parent.name == "weights" else weights.parent
-
-
-def class_names(indices, path: Path) -> list[str]:
-    """["daisy", "dandelion", ...] from class_indices.json's {"0": "daisy", "1": "dandelion", ...}."""
-    if (
-        not isinstance(indices, dict)
-        or not indices
-        or set(indices) != {str(i) for i in range(len(indices))}
-        or not all(isinstance(name, str) for name in indices.values())
-    ):
-        raise UserError(f'{path} is not a class index file such as {{"0": "daisy", "1": "dandelion"}}')
-    return [indices[str(i)] for i in range(len(indices))]
 
 
 def load_trained_model(
@@ -68,30 +55,28 @@ def load_trained_model(
     if indices_file is None or args_file is None:  # read again only when needed: a checkpoint is large
         data = safe_load(weights, "weights file")
         checkpoint = data if isinstance(data, dict) and "model" in data else {}
-
     if indices_file is not None:
-        classes, classes_from = class_names(read_json(indices_file, "class index file"), indices_file), indices_file
+        indices, classes_from = read_json(indices_file, "class index file"), indices_file  # a dict
+        valid = indices and set(indices) == {str(i) for i in range(len(indices))}
+        if not valid or not all(isinstance(name, str) for name in indices.values()):
+            raise UserError(f'{indices_file} is not a class index file such as {{"0": "daisy", "1": "dandelion"}}')
+        classes = [indices[str(i)] for i in range(len(indices))]
     elif isinstance(checkpoint.get("classes"), list):
         classes, classes_from = checkpoint["classes"], f"checkpoint {weights}"
     else:
-        raise UserError(
-            f"no class names for {weights}: no class_indices.json beside it or in its run folder; "
-            "pass --class-indices RUN/class_indices.json"
-        )
+        raise UserError(f"no class names for {weights}: no class_indices.json beside it or in its run folder; "
+                        "pass --class-indices RUN/class_indices.json")  # fmt: skip
     run_args, args_from, note = record_beside(weights, args_file, checkpoint)
     if not isinstance(run_args, dict):
         raise UserError(f"{args_from} does not hold the flags of a run (a JSON object)")
-
     run = Config.from_record(run_args, args_from)
     recorded = args_file is not None or run_args  # else the run is unknown: the defaults
     named_by = "--model" if architecture else f"the --model of {args_from}" if recorded else "the default --model"
     architecture = architecture or run.model
     head = head_classes(state_dict, architecture)
     if head is not None and head != len(classes):
-        raise UserError(
-            f"weights file {weights} has a head for {head} classes, "
-            f"but {classes_from} names {len(classes)}: {', '.join(classes)}"
-        )
+        raise UserError(f"weights file {weights} has a head for {head} classes, "
+                        f"but {classes_from} names {len(classes)}: {', '.join(classes)}")  # fmt: skip
     model = create_model(len(classes), architecture)
     their_model = (run_args["model"], args_from) if isinstance(run_args.get("model"), str) else None
     fix = "leave out --model (the run's {theirs} is used), or give weights of a {model} run"
@@ -100,8 +85,7 @@ def load_trained_model(
         advice(f"{architecture} is {named_by} (--model NAME says which)"),
     ):
         load_weights(model, state_dict, strict=True, name=architecture, what=f"weights file {weights}")
-    # Compute as the run validated: the same precision gives the same predictions, not just nearly the same.
-    # (Weights whose run is unknown, or recorded "auto" before runs recorded what auto chose: float32 NCHW.)
+    # As the run validated, for the same predictions; float32 NCHW for an unknown run, or one that recorded "auto"
     choice = Choice(run.amp if run.amp != "auto" else "off", bool(run.channels_last)) if run_args else Choice()
     model = model.to(device, memory_format=choice.memory_format).eval()
     if note is not None:  # (after the weights loaded: a refusal is one line)
@@ -109,45 +93,26 @@ def load_trained_model(
     return TrainedModel(model, device, choice, classes, run, run_folder(weights))
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--weights",
-        type=Path,
-        required=True,
-        help="a run's weights: weights/best.pth, weights/last.pth, weights/model-N.pth or checkpoint.pth",
-    )
-    add_run_overrides(parser)
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int,
-        help=f"images per forward pass (default: the run's, else {Config.default('batch_size')})",
-    )
-    parser.add_argument(
-        "--workers",
-        type=number(int, 0),
-        help="image loader processes (default: as for training, see machine.py core_budget)",
-    )
-    parser.add_argument(
-        "--device", help="cpu, cuda, cuda:N or mps (default: cuda when a GPU is visible, else mps on a Mac, else cpu)"
-    )
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", type=Path, required=True, help="a run's weights: weights/best.pth, weights/last.pth, "
+                   "weights/model-N.pth or checkpoint.pth")  # fmt: skip
+    add_run_overrides(p)
+    p.add_argument("--batch-size", type=positive_int, help="images per forward pass (default: the run's, else "
+                   f"{Config.default('batch_size')})")  # fmt: skip
+    p.add_argument("--workers", type=number(int, 0),
+                   help="image loader processes (default: as for training, see machine.py core_budget)")  # fmt: skip
+    p.add_argument("--device", help="cpu, cuda, cuda:N or mps (default: cuda when a GPU is visible, else mps on a Mac, "
+                   "else cpu)")  # fmt: skip
 
 
-def add_run_overrides(parser: argparse.ArgumentParser) -> None:
+def add_run_overrides(p: argparse.ArgumentParser) -> None:
     """The flags that override what a run's files say."""
-    parser.add_argument(
-        "--model",
-        help="the network the weights are for, torchvision's name or timm/NAME (default: the run's, else resnet34)",
-    )
-    parser.add_argument(
-        "--class-indices",
-        type=Path,
-        help="class_indices.json (default: the run's, beside the weights or one folder up, else the checkpoint's)",
-    )
-    parser.add_argument(
-        "--img-size",
-        type=positive_int,
-        help=f"the crop size the run trained with (default: the run's, else {Config.default('img_size')})",
-    )
+    p.add_argument("--model", help="the network the weights are for, torchvision's name or timm/NAME (default: the "
+                   "run's, else resnet34)")  # fmt: skip
+    p.add_argument("--class-indices", type=Path, help="class_indices.json (default: the run's, beside the weights or "
+                   "one folder up, else the checkpoint's)")  # fmt: skip
+    p.add_argument("--img-size", type=positive_int, help="the crop size the run trained with (default: the run's, "
+                   f"else {Config.default('img_size')})")  # fmt: skip
 
 
 def image_loader(
@@ -159,11 +124,7 @@ def image_loader(
     img_size = trained.setting("img_size", img_size)
     batch_size = trained.setting("batch_size", batch_size)
     workers = use_cores(trained.device, processes_here, batch_size, workers)  # as a training process has
-    return DataLoader(
-        MyDataSet(images, labels, val_transform(img_size)),
-        batch_size=batch_size,
-        sampler=shard,
-        num_workers=workers,
-        pin_memory=trained.device.type == "cuda",
-        worker_init_fn=ignore_stop_signals,  # a stop signal is for the process they load for to act on
-    )
+    # ignore_stop_signals: a stop signal is for the process they load for to act on
+    return DataLoader(MyDataSet(images, labels, val_transform(img_size)), batch_size=batch_size, sampler=shard,
+                      num_workers=workers, pin_memory=trained.device.type == "cuda",
+                      worker_init_fn=ignore_stop_signals)  # fmt: skip

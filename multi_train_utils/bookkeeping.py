@@ -1,6 +1,5 @@
-"""What train_one_epoch and evaluate keep track of besides the step itself: an epoch's sums over every process, one
-step behind; the unreadable-image budget; the non-finite and stop checks; the progress bar; where a resumed epoch
-continues; and evaluation's confusion matrix. The same for one process and for DDP."""
+"""What train_one_epoch and evaluate keep track of besides the step: an epoch's sums over every process, one step
+behind, with the unreadable-image, non-finite and stop checks; the progress bar; and evaluation's confusion matrix."""
 
 import math
 import sys
@@ -17,10 +16,7 @@ from utils import UserError
 
 
 class NonFiniteLossError(UserError):
-    """The loss became NaN or infinite (usually too high a learning rate, or bad data); raised on every rank at
-    the same step, so no rank is left waiting. It is seen one step late (the sums travel while the next step
-    computes), so the weights in memory may have taken the bad step; the run stops before saving anything more, so
-    the checkpoint and weights files keep the last epoch's finite weights."""
+    """The loss became NaN or infinite: raised on every rank at the same step, a step late, before anything is saved."""
 
 
 def progress_bar(batches, description: str, **options) -> tqdm:
@@ -29,11 +25,7 @@ def progress_bar(batches, description: str, **options) -> tqdm:
 
 
 class EpochBooks:
-    """The books of an epoch's steps (`steps()`: its batches, each step's random draws seeded): the sums of every
-    step over every rank, checked one step behind (check: a non-finite loss, or more than `max_skipped` unreadable
-    images, stops every rank at the same step; so does a stop signal, after the optimizer step: stop_if_asked); which
-    batches end an optimizer step (last_of_group, group_size); where a resumed epoch goes on (`training.midway`, taken
-    here); and the progress bar."""
+    """An epoch's books: its sums over every rank, checked a step behind; its optimizer steps; where a resume goes."""
 
     def __init__(self, training, data_loader, device: torch.device, epoch: int, max_skipped=None):
         self.training, self.data_loader, self.device, self.epoch = training, data_loader, device, epoch
@@ -47,17 +39,14 @@ class EpochBooks:
         """(step, batch) for each of the epoch's batches, from where a resumed epoch stopped."""
         start = 0 if self.midway is None else self.midway.step
         if self.midway is not None:
-            self.midway.skip_trained_batches(self.data_loader)
+            self.data_loader.batch_sampler.start_at(start)  # a SeededBatchSampler's next pass starts there
         self.progress = progress_bar(self.data_loader, f"[epoch {self.epoch}] train", initial=start)
         for step, batch in enumerate(self.progress, start=start):
             self.seed_random_draws(step)
             yield step, batch
 
     def seed_random_draws(self, step: int) -> None:
-        """Seed what the step draws from (dropout's and stochastic depth's masks, on the CPU's generator and on
-        the device's) with a seed of its own: a function of the run's seed, the epoch, the step and this process's
-        rank. So a resumed run draws, step for step, what the uninterrupted run drew, on any number of loader
-        workers and whatever came before, and no two ranks draw the same masks."""
+        """Seed the CPU's and device's generators from (seed, epoch, step, rank): a resume draws what the run drew."""
         seed = step_seed(self.training.objective.seed, self.epoch, step, get_rank())
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
@@ -66,21 +55,18 @@ class EpochBooks:
             torch.mps.manual_seed(seed)
 
     def last_of_group(self, step: int) -> bool:
-        """Whether batch `step` is the last of its optimizer step (of the epoch's, the last one)."""
         return (step + 1) % self.training.accumulate == 0 or step + 1 == len(self.data_loader)
 
     def group_size(self, step: int) -> int:
-        """The batches in the optimizer step that `step` belongs to: training.accumulate, or at the end of an
-        epoch, those that are left."""
+        """The batches in the optimizer step of batch `step`: training.accumulate, or at the epoch's end those left."""
         accumulate, batches = self.training.accumulate, len(self.data_loader)
         return min(accumulate, batches - step // accumulate * accumulate)
 
     def check(self, step: int, loss_sum: torch.Tensor, read: int, images: int) -> None:
-        """Send this step's sums on their way (the loss summed over its `read` readable images of `images`, this
-        process's stop votes) and check the step before's, long arrived; before the epoch's last optimizer step,
-        or one that stops, check this step's too."""
+        """Send this step's sums on their way (loss, images read and skipped, stop votes) and check the step before's;
+        before the epoch's last optimizer step, or one that stops, check this step's too."""
         sent = StepTotals(loss_sum, [read, images - read, *stop_votes()], self.device)
-        if self.pending is not None:  # the step before's sums, long arrived
+        if self.pending is not None:
             self.add(self.pending)
         self.pending = sent
         last_step = step + 1 == len(self.data_loader)
@@ -90,13 +76,24 @@ class EpochBooks:
         # the mean as checked so far; drawn when the bar next redraws (tqdm's pace, not every step)
         self.progress.set_postfix(mean_loss=f"{self.totals[0] / max(self.totals[1], 1):.3f}", refresh=False)
 
-    def add(self, step_totals: "StepTotals") -> None:
-        """Add a step's sums to the epoch's, checked (check_step), and keep the stop signal any rank received."""
-        self.stopping = check_step(step_totals.get(), self.totals, self.epoch, self.max_skipped) or self.stopping
+    def add(self, sent: "StepTotals") -> None:
+        """Add a step's sums to the epoch's and keep the stop signal any rank received; a non-finite loss or more
+        than `max_skipped` skipped images stops every rank (all see the same sums)."""
+        step_totals = sent.get()
+        if not math.isfinite(step_totals[0]):
+            raise NonFiniteLossError(
+                f"non-finite loss at epoch {self.epoch}: stopped; lower --lr or check the data "
+                "(the last checkpoint is from before this epoch)"
+            )
+        for i in range(3):
+            self.totals[i] += step_totals[i]
+        if self.max_skipped is not None and self.totals[2] > self.max_skipped:
+            skipped, of_what = int(self.totals[2]), f"epoch {self.epoch}'s training images"
+            raise UserError(too_many_skipped(skipped, self.max_skipped, of_what))
+        self.stopping = agreed_signal(step_totals[3:]) or self.stopping
 
     def stop_if_asked(self, step: int) -> None:
-        """After the optimizer step that ends batch `step`: StopRequested on every rank if a stop signal
-        reached any."""
+        """After the optimizer step that ends batch `step`: StopRequested on every rank if a stop signal reached any."""
         if self.stopping is not None:
             self.progress.close()
             seconds = time.perf_counter() - self.started
@@ -109,16 +106,13 @@ class EpochBooks:
 
 
 def count_readable(labels: torch.Tensor) -> int:
-    """The images of a batch that could be read (not labelled SKIPPED), counted on the host, in the labels as the
-    loader left them (before they go to the device: counting them there would make the host wait for it)."""
+    """The batch's readable images (not labelled SKIPPED), counted on the host before the labels go to the device."""
     return sum(label != SKIPPED for label in labels.tolist())
 
 
 class StepTotals:
-    """A step's (sum of sample losses, images read, images skipped, stop votes), summed over the ranks on their
-    way to the host: the all-reduce and, on a GPU, the copy to pinned host memory are queued behind the step's
-    work, and `get` waits for them alone (a step later, when they have long arrived), never for the work queued
-    after them."""
+    """A step's (loss sum, images read, images skipped, stop votes), summed over the ranks on their way to the host,
+    queued behind the step's work: `get` waits for them alone, never for the work queued after them."""
 
     def __init__(self, loss_sum: torch.Tensor, counts: list, device: torch.device):
         counts = torch.tensor(counts, dtype=torch.float64).to(device, non_blocking=True)
@@ -136,8 +130,7 @@ class StepTotals:
 
 
 class ToHost:
-    """A tensor on its way to the host: from a GPU, the copy (to pinned memory) is queued behind the work on the
-    tensor's device, and `arrived` waits for that copy alone; a tensor on the host is already there."""
+    """A tensor on its way to the host: from a GPU, a copy queued behind its device's work (`arrived` waits for it)."""
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor, self.ready = tensor, None
@@ -152,26 +145,8 @@ class ToHost:
         return self.tensor
 
 
-def check_step(step_totals: list[float], totals: list[float], epoch: int, max_skipped) -> int | None:
-    """Add a step's summed `step_totals` (StepTotals.get) to the epoch's `totals`; returns the stop signal the
-    ranks agreed on, if any. Stops every rank (all see the same sums) on a non-finite loss or once the skipped
-    images pass `max_skipped`."""
-    if not math.isfinite(step_totals[0]):
-        raise NonFiniteLossError(
-            f"non-finite loss at epoch {epoch}: stopped; lower --lr or check the data "
-            "(the last checkpoint is from before this epoch)"
-        )
-    for i in range(3):
-        totals[i] += step_totals[i]
-    if max_skipped is not None and totals[2] > max_skipped:
-        raise UserError(too_many_skipped(int(totals[2]), max_skipped, f"epoch {epoch}'s training images"))
-    return agreed_signal(step_totals[3:])
-
-
 class Tally:
-    """evaluate's counts: the confusion matrix (rows: true class, columns: predicted) of the images that could be
-    read (those labelled SKIPPED count neither as right nor as wrong), and with `topk` (k) the number whose true
-    class is among their k highest logits; on the device, summed over the ranks at the end."""
+    """evaluate's counts, on the device: the readable images' confusion matrix, and how many are in their top k."""
 
     def __init__(self, num_classes: int, device: torch.device, topk: int | None = None):
         self.num_classes, self.topk = num_classes, topk
@@ -179,9 +154,8 @@ class Tally:
         self.in_topk = torch.zeros((), dtype=torch.int64, device=device)
 
     def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """Count a batch, on the device and without selecting the readable images: selecting (a boolean mask) or
-        counting with bincount sizes a tensor by values the host would have to wait for; each image adds 1, or 0
-        when skipped, at its (true, predicted) cell."""
+        """Count a batch without selecting its readable images (a mask or bincount would make the host wait): each
+        image adds 1, or 0 when skipped, at its (true, predicted) cell."""
         read = (labels != SKIPPED).long()
         cells = labels.clamp(min=0) * self.num_classes + logits.argmax(dim=1)
         self.confusion.view(-1).index_add_(0, cells, read)
@@ -190,9 +164,7 @@ class Tally:
             self.in_topk += (in_topk.long() * read).sum()
 
     def over_all_ranks(self, data_loader, max_skipped=None) -> torch.Tensor | tuple[torch.Tensor, int]:
-        """The confusion matrix summed over every rank (and the top-k count, with `topk`). Of the images of the
-        loader's dataset, those not in it could not be read: more than `max_skipped` (None: no limit) stop every
-        rank. The counts travel together: one all-reduce, one copy to the host, once an epoch."""
+        """The confusion matrix (and top-k count) over every rank; more than `max_skipped` unreadable stop all ranks."""
         counts = torch.cat([self.confusion.view(-1), self.in_topk.view(1)])
         counts = reduce_value(counts, average=False).cpu()
         confusion, in_topk = counts[:-1].view(self.num_classes, self.num_classes), int(counts[-1])
@@ -212,6 +184,5 @@ def too_many_skipped(skipped: int, limit: int, of_what: str) -> str:
 
 
 def unreadable_limits(train_images: int, val_images: int, strict: bool) -> tuple[int, int]:
-    """How many of an epoch's training and validation images may be unreadable before the run stops: 1 % (at
-    least one), or none with --strict-images."""
+    """How many training and validation images an epoch may skip: 1 % (at least one), or none with --strict-images."""
     return tuple(0 if strict else max(1, count // 100) for count in (train_images, val_images))

@@ -1,9 +1,5 @@
-"""Saving and loading the full training state, so that a run killed at any moment continues where it stopped.
-
-A checkpoint holds only tensors and plain Python data, so it loads with torch.load(weights_only=True): loading
-one never runs code. It is written atomically (temporary file in the same folder, fsync, rename): a crash while
-writing leaves the previous checkpoint in place, never half a file.
-"""
+"""Saving and loading the full training state, so that a run killed at any moment continues where it stopped: only
+tensors and plain data (loading never runs code), written atomically (a crash leaves the previous checkpoint)."""
 
 from pathlib import Path
 
@@ -14,33 +10,24 @@ from utils import UserError, in_brief, write_atomically
 
 CHECKPOINT_NAME = "checkpoint.pth"
 CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args"}
-# What each entry of a checkpoint holds (read_back.misfits' shapes): what training_state writes, and what
-# stop_and_resume's save_step adds ("midway"); a run's record ("args") with its split (split_fingerprint's).
+# What each entry holds (read_back.misfits' shapes): training_state's, and save_step's "midway".
 SPLIT = {"train_images": int, "train_sha256": str, "val_images": int, "val_sha256": str}
 CHECKPOINT_SHAPE = {
-    "epoch": int,
-    "model": dict,
-    "optimizer": dict,
-    "scheduler": dict,
-    "scaler": (dict, type(None)),
-    "ema": (dict, type(None)),
-    "best_acc": NUMBER,
-    "classes": [str],
-    "world_size": int,
+    "epoch": int, "model": dict, "optimizer": dict, "scheduler": dict, "scaler": (dict, type(None)),
+    "ema": (dict, type(None)), "best_acc": NUMBER, "classes": [str], "world_size": int,
     "args": {"split": (SPLIT, type(None))},
     "midway": ({"step": int, "totals": [NUMBER], "lr": NUMBER, "seconds": (NUMBER, type(None))}, type(None)),
-}
+}  # fmt: skip
 
 
 def save_atomically(obj, path) -> None:
-    """torch.save to `path`; readers (and crashes) see either the old file or the complete new one. If it cannot
-    be written (a full disk, ...), OutputError, with `path` untouched."""
-    size = tensor_bytes(obj)
+    """torch.save to `path`, whole or not at all; OutputError if it cannot be written, `path` untouched."""
+    size = tensor_bytes(obj)  # the line a full disk ends in says it
     write_atomically(path, lambda f: torch.save(obj, f), binary=True, size=size)
 
 
 def tensor_bytes(obj) -> int:
-    """The bytes of the tensors in `obj` (nested in dicts, lists and tuples): about the size of its file."""
+    """The bytes of the tensors nested in `obj`: about the size of its file."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
@@ -49,13 +36,8 @@ def tensor_bytes(obj) -> int:
 
 
 def training_state(epoch, model, training, best_acc, classes, world_size, record: dict) -> dict:
-    """Everything needed to continue after `epoch`, as tensors and plain data: `model` (the network without its
-    DDP or compilation wrapper), what `training` (a train_eval_utils.Training) steps and averages, and `record`,
-    the run's configuration as in args.json.
-
-    No random generator's state: each training step draws from a seed of its own (EpochSteps.seed_random_draws),
-    so a resumed run needs none, on any number of devices. (Checkpoints of earlier versions hold one, "rng": it
-    is not read.)"""
+    """Everything needed to continue after `epoch` (`model` unwrapped, `record` as in args.json). No generator state:
+    each step draws from a seed of its own (EpochBooks.seed_random_draws), on any number of devices."""
     return {
         "epoch": epoch,
         "model": model.state_dict(),
@@ -71,8 +53,7 @@ def training_state(epoch, model, training, best_acc, classes, world_size, record
 
 
 def load_checkpoint(path) -> dict:
-    """Read a checkpoint written by save_atomically(training_state(...)); UserError if it is not one, or if an
-    entry is not what the scripts write there (a damaged or hand-edited file)."""
+    """Read a checkpoint; UserError if it is not one, or if an entry is not what the scripts write there."""
     state = safe_load(path, "checkpoint", if_damaged=start_anew(path))
     if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
         raise UserError(f"{path} is not a training checkpoint of these scripts (weights only? use --weights)")
@@ -89,12 +70,8 @@ def start_anew(path) -> str:
 
 
 def restore(state: dict, model, training, path=None) -> tuple[int, float]:
-    """Put a checkpoint's state (read from `path`) back into the model and what `training` steps; returns (the
-    first epoch to train, the best validation accuracy so far). Where in that epoch a run stopped at a step
-    continues is stop_and_resume's (Midway). UserError if a part does not fit (a checkpoint edited by hand).
-
-    A checkpoint saved without float16's gradient scaler (bfloat16 or float32: its scaler was off, its state
-    empty) resumes with one just as well: the scaler starts afresh."""
+    """Put a checkpoint's state back; (the first epoch to train, the best validation accuracy so far). UserError if a
+    part does not fit. A checkpoint saved with the scaler off resumes with float16's: the scaler starts afresh."""
     parts = {"model": model, "optimizer": training.optimizer, "scheduler": training.scheduler}
     if state.get("scaler") and training.scaler is not None:  # {}: saved with the scaler off
         parts["scaler"] = training.scaler
@@ -104,20 +81,14 @@ def restore(state: dict, model, training, path=None) -> tuple[int, float]:
         try:
             target.load_state_dict(state[part])
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:  # torch's, by part
-            reason = in_brief(str(error), 200)
-            raise UserError(
-                f"checkpoint {path}: its {part} does not fit this run's ({reason}): {start_anew(path)}"
-            ) from None
+            reason = f"its {part} does not fit this run's ({in_brief(str(error), 200)})"
+            raise UserError(f"checkpoint {path}: {reason}: {start_anew(path)}") from None
     return state["epoch"] + 1, state["best_acc"]
 
 
 def save_epoch(output_dir: Path, epoch: int, weights: dict, best: dict | None, state: dict, keep: bool = False) -> None:
-    """What an epoch leaves on disk: its weights as weights/last.pth (and as weights/model-N.pth when `keep`),
-    `best` as weights/best.pth when the epoch improved on the best validation accuracy, and the checkpoint,
-    last, so that a checkpoint never claims an epoch whose outputs are not all written.
-
-    Weights are saved as CPU tensors, so that they load on a machine without a GPU without a map_location.
-    """
+    """An epoch's weights (weights/last.pth, model-N.pth if `keep`, best.pth if `best`), as CPU tensors, then the
+    checkpoint, last, so that it never claims an epoch whose outputs are not all written."""
     on_cpu = lambda tensors: {name: tensor.cpu() for name, tensor in tensors.items()}  # noqa: E731
     weights = on_cpu(weights)
     save_atomically(weights, output_dir / "weights" / "last.pth")

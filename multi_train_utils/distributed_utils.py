@@ -1,9 +1,5 @@
-"""Distributed helpers: joining the process group, this process's place in it, rank queries, reductions, and the
-DistributedSampler set-up that gives each process its shard of the data.
-
-Every function works in a single process too (rank 0 of a world of 1), so the shared training code calls them
-without asking which launch mode it runs under.
-"""
+"""Distributed helpers: joining the process group, this process's place in it, rank queries, reductions, and each
+process's shard of the data. Each works in one process too (rank 0 of 1): shared code need not ask the launch mode."""
 
 import argparse
 import contextlib
@@ -39,8 +35,7 @@ def get_world_size() -> int:
 
 @contextlib.contextmanager
 def alone():
-    """Inside, this process computes as a world of one: rank 0 timing training steps for every rank while the others
-    wait for its choice (autotune/), its steps' sums its own."""
+    """Inside, this process computes as a world of one (autotune/'s rank 0 timing steps while the others wait)."""
     _alone.append(True)
     try:
         yield
@@ -53,7 +48,6 @@ def is_main_process() -> bool:
 
 
 def print_once(*message) -> None:
-    """print, on the main process alone: one line per job, not one per process."""
     if is_main_process():
         print(*message, flush=True)
 
@@ -65,8 +59,7 @@ def warn_once(message: str) -> None:
 
 
 def environment_number(name: str, text: str, minimum: int, maximum: int | None = None) -> int:
-    """Environment variable `name`'s value `text` as a whole number from `minimum` to `maximum`, through the flags'
-    own check (utils.number); UserError naming the variable otherwise."""
+    """`text`, variable `name`'s value, checked as the flags are (utils.number); UserError naming the variable."""
     try:
         return number(int, minimum, maximum)(text)
     except (ValueError, argparse.ArgumentTypeError) as error:
@@ -75,8 +68,7 @@ def environment_number(name: str, text: str, minimum: int, maximum: int | None =
 
 
 def launcher_environment() -> dict | None:
-    """Rank, world size and local rank set by a launcher (torchrun, torch.distributed.launch --use_env, SLURM);
-    UserError naming the variable where one is not a count the job could have (the flags' own check, utils.number)."""
+    """The counts a launcher (torchrun, SLURM) set, or None; UserError naming a variable that is not one a job has."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -91,24 +83,17 @@ def launcher_environment() -> dict | None:
         found["SLURM_NTASKS_PER_NODE"] = found["SLURM_NTASKS_PER_NODE"].split("(")[0]
     else:
         return None
-    keys = ("rank", "world_size", "local_rank", "local_world_size")
-    counts = {
-        key: environment_number(name, found[name], minimum)
-        for key, name, minimum in zip(keys, names, (0, 1, 0, 1), strict=True)
-    }
-    for rank, size, (rank_name, size_name) in (
-        ("rank", "world_size", names[:2]),
-        ("local_rank", "local_world_size", names[2:]),
-    ):
+    counts = [environment_number(name, found[name], minimum) for name, minimum in zip(names, (0, 1, 0, 1), strict=True)]
+    for rank, size in ((0, 1), (2, 3)):  # the rank below the world size, the local rank below the local one
         if counts[rank] >= counts[size]:
-            raise UserError(f"environment variable {rank_name}={counts[rank]} must be below {size_name}={counts[size]}")
-    return counts
+            limit = f"{names[size]}={counts[size]}"
+            raise UserError(f"environment variable {names[rank]}={counts[rank]} must be below {limit}")
+    return dict(zip(("rank", "world_size", "local_rank", "local_world_size"), counts, strict=True))
 
 
 @dataclass(frozen=True)
 class Process:
-    """This process's place in the job: its rank among world_size processes, its rank and count on this machine,
-    the device it computes on, and whether it is in a process group (a world of one need not be)."""
+    """This process's place in the job, its device, and whether it is in a process group."""
 
     rank: int = 0
     world_size: int = 1
@@ -126,12 +111,8 @@ def single_process(device: str | None = None) -> Process:
 
 
 def use_device(device: torch.device) -> None:
-    """Make `device` this process's. A GPU becomes the current one: the streams, events and random generator
-    torch uses by default are then this GPU's, not GPU 0's (with --device cuda:1, the step's copies to the host
-    are waited for on the stream that makes them), and no context is made on GPU 0. cuDNN then times its
-    convolution algorithms for each new input shape once and keeps the fastest, as torchvision's reference
-    scripts and timm do (benchmark mode: the training batches all have one shape, drop_last, and validation's
-    one more at most)."""
+    """Make `device` this process's: a GPU becomes the current one (its default streams and generator, no context on
+    GPU 0), and cuDNN times its algorithms once per input shape (the batches have one or two shapes)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
@@ -145,13 +126,8 @@ def init_distributed_mode(
     rank: int | None = None,
     world_size: int | None = None,
 ) -> Process:
-    """Join the process group, on this process's device; returns where this process stands.
-
-    torchrun and SLURM describe the process in environment variables; spawn passes `rank` and `world_size`
-    (with MASTER_ADDR/MASTER_PORT in the environment). Without either (the launch script started with plain
-    python), a group of one on a free port of this machine, on the device named: the DDP code runs unchanged. The
-    backend is choose_backend's. On a Mac's GPU (mps), which no backend serves, the processes train on the CPU.
-    """
+    """Join the process group as spawn's `rank` of `world_size`, a launcher's, or a group of one on a free local port;
+    on a Mac's GPU (mps), which no backend serves, on the CPU."""
     if rank is not None:
         found = {"rank": rank, "world_size": world_size, "local_rank": rank, "local_world_size": world_size}
     else:
@@ -167,9 +143,10 @@ def init_distributed_mode(
         process_device = torch.device("cpu")
     process = Process(**found, device=process_device, distributed=True)
     use_device(process.device)
-    backend = choose_backend(backend, process.device)
-    timeout = timedelta(seconds=timeout_s)
-    store = restart_safe_store(dist_url, process, timeout)
+    check_backend(backend)
+    if backend is None:  # nccl on CUDA GPUs where torch has NCCL (Linux), gloo everywhere else
+        backend = "nccl" if process.device.type == "cuda" and dist.is_nccl_available() else "gloo"
+    store = restart_safe_store(dist_url, process, timeout := timedelta(seconds=timeout_s))
     dist.init_process_group(
         backend=backend,
         init_method=None if store else dist_url,
@@ -195,17 +172,7 @@ def check_backend(asked: str | None) -> None:
         raise UserError(f"--dist-backend nccl: this torch has no NCCL (on {sys.platform}); use --dist-backend gloo")
 
 
-def choose_backend(asked: str | None, device: torch.device) -> str:
-    """The communication library: `asked` (--dist-backend) if this torch has it; else nccl on CUDA GPUs where
-    torch has NCCL (Linux), gloo everywhere else (the CPU, and Windows and macOS, whose builds have no NCCL)."""
-    check_backend(asked)
-    if asked is not None:
-        return asked
-    return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
-
-
 def find_free_port() -> int:
-    """A TCP port on this machine that nothing listens on now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -215,16 +182,8 @@ START = "flowers/start"  # the key, in torchrun's store, that names the latest s
 
 
 def restart_safe_store(dist_url: str, process: Process, timeout: timedelta):
-    """Under torchrun, the key-value store where the processes meet: torchrun's own, in a namespace of this start's.
-
-    torchrun keeps one store for all restarts of a job; without a namespace of their own, restarted processes
-    can read the addresses their dead predecessors published there and wait for them until the timeout (seen
-    with torch 2.14: about half of the restarts hung). TORCHELASTIC_RESTART_COUNT cannot name the start on
-    several machines: each machine's torchrun counts its own restarts, and one whose processes restart only
-    because another machine's failed counts none. So rank 0 names each start (name_start) and the other ranks
-    take the name from it (join_start). None where torchrun gives each start a store of its own (with
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a new MASTER_PORT) or without torchrun: init_process_group builds one.
-    """
+    """Under torchrun, its store in a namespace of this start's, so restarted processes never wait for their dead
+    predecessors (docs/resuming-and-failures.md, one worker dies); None where init_process_group builds one."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist_url != "env://":
         return None
     host, port = os.environ["MASTER_ADDR"], environment_number("MASTER_PORT", os.environ["MASTER_PORT"], 1, 65535)
@@ -234,8 +193,7 @@ def restart_safe_store(dist_url: str, process: Process, timeout: timedelta):
 
 
 def name_start(store, world_size: int) -> str:
-    """Rank 0: a new name for this start, published in the store. Returns once every other rank has asked for it
-    (with a question of its own) and has been answered, so that no rank goes on under an older start's name."""
+    """Rank 0: publish a new name for this start; returns once every other rank has asked for it and been answered."""
     name = uuid.uuid4().hex
     store.set(START, name)
     for rank in range(1, world_size):
@@ -245,9 +203,7 @@ def name_start(store, world_size: int) -> str:
 
 
 def join_start(store, rank: int, timeout: timedelta) -> str:
-    """Any other rank: the name that rank 0 gave this start. The name in the store may be an earlier start's,
-    whose rank 0 is dead: a question asked under it gets no answer, and the rank asks again under the next name
-    rank 0 publishes. The store is polled (check never blocks), less often the longer rank 0 takes."""
+    """Any other rank: the name rank 0 gave this start, asked again under each newer one (a dead start answers none)."""
     question, asked, pause = uuid.uuid4().hex, None, 0.01
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
@@ -263,8 +219,7 @@ def join_start(store, rank: int, timeout: timedelta) -> str:
 
 
 def resolve_device(name: str | None, local_rank: int | None = None) -> torch.device:
-    """The device to train on: CUDA when there is one, else a Mac's GPU (mps) when there is one, otherwise the
-    CPU; in DDP, the local rank's GPU."""
+    """The device named, else CUDA, mps or the CPU, the first there is; in DDP, the local rank's GPU."""
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     try:
@@ -284,14 +239,12 @@ def resolve_device(name: str | None, local_rank: int | None = None) -> torch.dev
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         raise UserError(f"--device {name} asked for a GPU but no CUDA GPU is visible; use --device cpu")
-    if local_rank is not None:
-        if device.index is not None:
-            raise UserError(
-                "in DDP each process takes the GPU of its local rank: "
-                "use --device cuda and choose GPUs with CUDA_VISIBLE_DEVICES"
-            )
-        device = torch.device("cuda", local_rank)
-    index = device.index or 0
+    if local_rank is not None and device.index is not None:
+        raise UserError(
+            "in DDP each process takes the GPU of its local rank: "
+            "use --device cuda and choose GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    index = (device.index or 0) if local_rank is None else local_rank
     if index >= count:
         raise UserError(f"GPU {index} asked for but only {count} visible (CUDA_VISIBLE_DEVICES chooses which)")
     return torch.device("cuda", index)
@@ -315,8 +268,8 @@ def reduce_value(value: torch.Tensor, average: bool = True) -> torch.Tensor:
 
 
 def all_reduce_in_background(value: torch.Tensor):
-    """Start summing `value` in place over all processes and return at once: the handle (its wait() waits for the
-    sum; on a GPU with NCCL, only the device waits), or None in a single process, where there is nothing to sum."""
+    """Start summing `value` in place over all processes; the handle (on a GPU with NCCL, its wait() makes only the
+    device wait), or None in a single process."""
     return dist.all_reduce(value, async_op=True) if get_world_size() > 1 else None
 
 
@@ -330,14 +283,13 @@ def broadcast_object(obj):
 
 
 def wait_for_all() -> None:
-    """Return once every process has come here (a barrier; nothing to wait for in a world of one)."""
+    """A barrier."""
     broadcast_object(None)
 
 
 def on_main_process(function, *args) -> None:
-    """Call function(*args) on rank 0 alone, while the other ranks wait for it to finish. A UserError it raises
-    (a full disk while saving, say) is raised on every rank at once, so that all stop together instead of
-    waiting for rank 0 until the collective timeout."""
+    """function(*args) on rank 0 alone, the others waiting; a UserError it raises is raised on every rank, so that
+    all stop together instead of waiting for rank 0 until the collective timeout."""
     message = None
     if is_main_process():
         try:
@@ -350,19 +302,12 @@ def on_main_process(function, *args) -> None:
 
 
 def shuffled_batches(dataset, batch_size: int, seed: int, rank: int = 0, world_size: int = 1) -> SeededBatchSampler:
-    """The training batches of process `rank` of `world_size`: its shard of each epoch's seeded shuffle of
-    `dataset` (a DistributedSampler; a world of one takes the whole shuffle), in batches of `batch_size`, each
-    index paired with its augmentation seed (SeededBatchSampler). Call set_epoch(epoch) before each epoch.
-
-    Shards are disjoint: drop_last makes the sampler drop the tail instead of repeating images to even them out,
-    and incomplete batches are dropped too, so every step of every rank has the same batch size. One process with
-    batches of W*b images sees, step by step, what W processes with b each see together.
-    """
+    """Process `rank`'s batches of its shard of each epoch's shuffle, each index with its augmentation seed (call
+    set_epoch first). Shards disjoint and batches full: one process with W*b images sees what W with b see together."""
     shard = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     return SeededBatchSampler(BatchSampler(shard, batch_size, drop_last=True), seed)
 
 
 def val_shard(dataset, rank: int, world_size: int) -> range:
-    """The validation images of process `rank`: rank, rank + world_size, ...: disjoint, nothing padded (unlike a
-    DistributedSampler's), so summed over the processes every image counts exactly once."""
+    """Process `rank`'s validation images: disjoint, nothing padded, so over all processes each counts once."""
     return range(rank, len(dataset), world_size)

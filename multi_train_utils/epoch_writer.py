@@ -1,16 +1,5 @@
-"""Saving that does not stop training: an epoch's files written by a background thread while the next epoch trains.
-
-At an epoch's end the loop takes one copy of what the epoch leaves (its weights, best weights and checkpoint) to
-host memory (`on_host`: from a GPU, copies queued on its stream, so the loop waits for none of them), hands the
-writing to the writer's thread, and goes on. The writer keeps every promise of the synchronous writes
-(docs/resuming-and-failures.md): each file is written atomically (a new file renamed over the old, so kill -9
-during a write leaves the previous files loadable), in the same order (metrics, weights, then the checkpoint), and
-one epoch at a time: before the loop hands over the next epoch's files it waits for the last epoch's, so two writes
-of one file never overlap and at most one epoch's copy is in memory. A write that failed (a full disk) raises its
-error there, at the next epoch's end, on rank 0, which stops every rank; a stop signal, the run's end or a crash
-waits for the write in flight (the thread is not a daemon). What must follow a write, the tracker's record of the
-epoch, is done by the loop's thread once the write is on disk (`after`).
-"""
+"""Saving that does not stop training: an epoch's files, copied to host memory, written by a background thread while
+the next epoch trains, one epoch at a time, as promised (docs/resuming-and-failures.md, Saving in the background)."""
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,14 +16,13 @@ class EpochWriter:
         self.pending: tuple[Future, Callable | None] | None = None
 
     def write(self, job: Callable[[], None], after: Callable[[], None] | None = None) -> None:
-        """Run job() (writing an epoch's files, from host copies) in the background, after the last epoch's write
-        (wait() first); `after`, once it is on disk, in the caller's thread at the next wait()."""
+        """Run job() in the background once the last epoch's write is done; `after`, once it is on disk, in the
+        caller's thread at the next wait()."""
         self.wait()
         self.pending = self.pool.submit(job), after
 
     def wait(self) -> None:
-        """Until the write in flight is on disk; then its `after`. Raises the write's own error (OutputError for a
-        full disk), once."""
+        """Until the write in flight is on disk; then its `after`. Raises the write's own error, once."""
         if self.pending is None:
             return
         future, after = self.pending
@@ -45,10 +33,8 @@ class EpochWriter:
 
 
 def on_host(tree):
-    """`tree` (a state_dict, a checkpoint: tensors in dicts and lists) with every tensor copied to host memory, as it
-    is now: from a GPU, a copy to pinned memory queued on the current stream (the writer waits for it: `ready`),
-    on the CPU a clone; a tensor found twice (the model's weights in the checkpoint too) copied once. Returns (the
-    copy, a function that waits until the copies have arrived)."""
+    """(`tree` with every tensor copied to host memory as it is now, each once; a function that waits until the
+    copies have arrived): from a GPU, copies queued on its stream, so the caller waits for none of them."""
     cuda, copies = [], {}
 
     def copy(value):

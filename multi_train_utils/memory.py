@@ -1,13 +1,5 @@
-"""What fits in the device's memory: the largest micro-batch a training pass can take (`--micro-batch auto`,
-measured by autotune/choose.py before training), and the one line an out-of-memory error during training ends in.
-
-A step's batch is the recipe (`--batch-size`, with the learning rate and the schedule that go with it); how many of
-its images a forward and backward pass takes at once is not: a batch larger than the micro-batch is taken in
-pieces whose gradients add up to the batch's (train_eval_utils.train_one_epoch). So the largest micro-batch that
-fits is found by trying: a pass that runs out of memory raises torch.OutOfMemoryError, its memory is given back,
-and a smaller one is tried. Only a GPU has an allocator limit to hit (`memory_limited`); a CPU takes the whole
-batch, and the tests substitute the out-of-memory condition to check the search there.
-"""
+"""What fits in the device's memory: the largest micro-batch a pass can take, found by trying (`--micro-batch auto`),
+and the one line an out-of-memory error during training ends in (docs/recipes.md, micro-batches that fit)."""
 
 import contextlib
 
@@ -22,15 +14,12 @@ class OutOfMemory(UserError):
 
 
 def memory_limited(device: torch.device) -> bool:
-    """Whether a training pass on `device` can run out of memory and say so (torch.OutOfMemoryError): a CUDA GPU.
-    The CPU's memory is the machine's, shared with everything else, and a process that takes too much of it is
-    killed rather than told."""
+    """Whether a pass on `device` can run out of memory and say so: a CUDA GPU (on the CPU, a process is killed)."""
     return device.type == "cuda"
 
 
 def largest_that_fits(fits, most: int) -> int:
-    """The largest micro-batch from 1 to `most` for which `fits(size)` is true (a bisection: a size fits if any
-    larger one does); 0 where not even one image fits. `most` is tried first: the whole batch usually fits."""
+    """The largest size up to `most` that `fits` (bisected, `most` first: the whole batch usually fits), 0 if none."""
     if fits(most):
         return most
     low, high = 0, most  # low fits (0: trivially), high does not
@@ -41,11 +30,8 @@ def largest_that_fits(fits, most: int) -> int:
 
 
 def pass_fits(model, choice, images: torch.Tensor, reserve: int = 0, train: bool = False) -> bool:
-    """Whether a forward and backward pass of `model` over `images` (in `choice`'s precision) fits in the
-    device's memory alongside `reserve` more bytes (what training holds besides, which the pass would not
-    allocate: an optimizer's moments, DDP's gradient buckets). The gradients it makes are dropped and its memory
-    given back either way. In eval mode unless `train` (a model of the run's own, whose statistics may change):
-    BatchNorm then leaves its statistics alone, and SyncBatchNorm exchanges nothing with the other processes."""
+    """Whether a forward and backward pass fits beside `reserve` more bytes (moments, gradient buckets); all given
+    back. In eval mode unless `train`, so that BatchNorm keeps its statistics and SyncBatchNorm exchanges nothing."""
     was_training = model.training
     model.train(train)
     held = None
@@ -66,9 +52,8 @@ def pass_fits(model, choice, images: torch.Tensor, reserve: int = 0, train: bool
 
 @contextlib.contextmanager
 def out_of_memory(training, images: torch.Tensor):
-    """A training pass over `images`; if it runs out of the device's memory, OutOfMemory in one line naming the
-    micro-batch it tried and the largest that fits now (found by trying smaller passes of the same images with
-    the network alone), instead of the allocator's traceback. The run's checkpoint is the last epoch's."""
+    """A training pass over `images`; out of memory, OutOfMemory in one line naming the micro-batch it tried and the
+    largest that fits now, measured on the same images, instead of the allocator's traceback."""
     try:
         yield
         return

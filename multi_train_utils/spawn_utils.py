@@ -35,8 +35,7 @@ def port_is_free(port: int) -> bool:
 
 
 def choose_meeting_point() -> str:
-    """MASTER_ADDR:MASTER_PORT for the workers (set in the environment they inherit): the ones given, unless the
-    port is taken (another job holds it), then a free one."""
+    """MASTER_ADDR:MASTER_PORT, set for the workers to inherit: the ones given, or a free port if that is taken."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     port = os.environ.get("MASTER_PORT")
     if port is None or not port_is_free(environment_number("MASTER_PORT", port, 1, 65535)):
@@ -47,11 +46,8 @@ def choose_meeting_point() -> str:
 
 
 def report_failures(worker):
-    """Decorate a spawned worker: on a bug, print its own traceback with its rank, then exit with status 1.
-
-    spawn hands the parent only the first failure it notices, often a peer's "connection closed": with every
-    worker printing its own, the one that failed first is always shown. UserErrors pass (one line, status 2).
-    """
+    """Decorate a spawned worker: on a bug, print its traceback with its rank and exit 1 (spawn reports only the
+    first failure it notices, often a peer's "connection closed"); UserErrors pass."""
 
     @functools.wraps(worker)
     def wrapper(rank, *args):
@@ -67,12 +63,8 @@ def report_failures(worker):
 
 
 def run_workers(worker, args: tuple, nprocs: int) -> None:
-    """Start `nprocs` processes of worker(rank, *args) and wait for all of them.
-
-    If one fails, the others are stopped and this process exits with its status; if this process is stopped
-    (Ctrl-C, or a stop signal: SIGTERM, SIGUSR1), it stops them first: a stop signal is passed on, and the workers
-    save the step they stop at (multi_train_utils/stop_and_resume.py) before they exit. No worker outlives it.
-    """
+    """Start `nprocs` processes of worker(rank, *args) and wait for all; if one fails, stop the others and exit with
+    its status; pass a stop signal on to them (they save their step). No worker outlives this process."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, stop_workers)
     context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
@@ -80,8 +72,7 @@ def run_workers(worker, args: tuple, nprocs: int) -> None:
         while not context.join():  # raises as soon as any worker fails, after stopping the others
             pass
     except mp.ProcessExitedException as error:
-        # The worker printed its error (one line for bad input, exit 2; a traceback otherwise) or where it stopped
-        # (a stop signal, 128 + its number): pass its status on.
+        # the worker printed its error, or where a stop signal (128 + its number) stopped it
         if error.exit_code != 2 and error.exit_code - 128 not in STOP_SIGNALS:
             print(f"error: worker {error.error_index} ended with status {error.exit_code}", file=sys.stderr)
         sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)
@@ -89,18 +80,16 @@ def run_workers(worker, args: tuple, nprocs: int) -> None:
         signum = stopped_by[0] if stopped_by else signal.SIGTERM
         for process in context.processes:
             if process.is_alive():
-                os.kill(process.pid, signum)  # a stop signal: the workers stop at a step and save it
+                os.kill(process.pid, signum)
         for process in context.processes:
             process.join()
 
 
-stopped_by: list[int] = []  # the stop signal this process received, if any
+stopped_by: list[int] = []
 
 
 def stop_workers(signum, frame) -> None:
-    """This process's handler of the stop signals: the first ends the wait for the workers (run_workers then passes
-    the signal on to them and waits for them to save and exit); later ones are ignored, so nothing interrupts
-    that wait."""
+    """The first stop signal ends the wait for the workers; later ones are ignored, not to interrupt run_workers'."""
     if not stopped_by:
         stopped_by.append(signum)
         sys.exit(128 + signum)

@@ -1,17 +1,5 @@
-"""Stopping at a step, and resuming: a signal that asks a run to stop ends it at a training step that every process
-agrees on, saved, so that the resumed run continues from that step exactly instead of training the epoch again;
-and a run resumed from its checkpoint, an epoch's or such a step's (resume_from).
-
-The signals: SIGTERM, which SLURM, Kubernetes and torchrun send before they kill (SLURM on preemption, at the time
-limit and on `scancel`), and SIGUSR1, which SLURM's `--signal` sends ahead of the time limit (Windows has no
-SIGUSR1). While a run is inside `stop_signals_noted`, the handler only notes the signal; train_one_epoch sums each
-process's note (`stop_votes`) over the processes with the step's loss, so every process learns of it at the same
-step whichever one received it, and the first optimizer step from there is the last (`StopRequested`). Rank 0
-saves that step (`saving_a_step_on_stop`) while the others wait. A second signal while it is being saved changes
-nothing: the note is taken, and the checkpoint is written atomically. The resumed run's train_one_epoch skips the
-batches trained already (`Midway`); each step draws from a seed of its own (EpochSteps.seed_random_draws), so the
-steps it trains draw what they would have drawn.
-"""
+"""Stopping at a step every process agrees on, saved, on SIGTERM or SIGUSR1; and resuming from a checkpoint, an
+epoch's or such a step's, exactly (docs/resuming-and-failures.md, Stopped at a step)."""
 
 import contextlib
 import signal
@@ -22,15 +10,12 @@ from multi_train_utils.checkpoint import load_checkpoint, restore, save_atomical
 from multi_train_utils.distributed_utils import on_main_process, print_once
 from utils import STOP_SIGNALS, OutputError
 
-noted: list[int] = []  # the stop signals this process received while they were noted
+noted: list[int] = []  # the stop signals received inside stop_signals_noted
 
 
 @dataclass
 class Midway:
-    """Where a run stopped at a step left its epoch: the batches trained, the epoch's sums so far (train_one_epoch's
-    totals), the epoch's first learning rate (the one its metrics report) and the seconds it had trained (so that
-    the epoch's time and speed count its whole training, not the part after the resume), as its checkpoint holds
-    them; the resumed run's train_one_epoch continues from there."""
+    """Where a run stopped at a step left its epoch, as its checkpoint's "midway" holds it."""
 
     step: int
     totals: list[float]
@@ -39,43 +24,30 @@ class Midway:
 
     @classmethod
     def of(cls, state: dict) -> "Midway | None":
-        """Where the run whose checkpoint `state` is stopped in its epoch; None if it stopped at an epoch's end. A
-        checkpoint saved before the seconds were kept counts none."""
+        """A checkpoint's; None if it stopped at an epoch's end. One saved before the seconds were kept counts none."""
         midway = state.get("midway")
         if midway is None:
             return None
         return cls(midway["step"], midway["totals"], midway["lr"], midway.get("seconds", 0.0))
 
-    def skip_trained_batches(self, data_loader) -> None:
-        """The loader's next pass starts at this step (its batch sampler must be a SeededBatchSampler, as
-        shuffled_batches makes)."""
-        data_loader.batch_sampler.start_at(self.step)
-
 
 class StopRequested(Exception):
-    """Raised on every process after the optimizer step of `step` of `epoch`: a stop signal arrived. `step` is the
-    number of the epoch's batches trained, `totals` the epoch's sums so far (train_one_epoch's), `lr` the epoch's
-    first learning rate, `seconds` the epoch's training time so far."""
+    """A stop signal arrived: raised on every process after the same optimizer step (`step`: batches trained)."""
 
     def __init__(self, signum: int, epoch: int, step: int, totals: list[float], lr: float, seconds: float):
         super().__init__(f"stopped by {signal.Signals(signum).name} at epoch {epoch}, step {step}")
         self.signum, self.epoch, self.step, self.totals, self.lr = signum, epoch, step, totals, lr
         self.seconds = seconds
 
-    @property
-    def status(self) -> int:
-        """The exit status: 128 + the signal's number, as a shell reports a process the signal ended."""
-        return 128 + self.signum
-
     def midway(self) -> dict:
-        """What a checkpoint keeps of the stop, beside the training state ("midway"; restore reads it back)."""
+        """What a checkpoint keeps of the stop ("midway")."""
         return {"step": self.step, "totals": self.totals, "lr": self.lr, "seconds": self.seconds}
 
 
 @contextlib.contextmanager
 def stop_signals_noted():
-    """Inside, SIGTERM and SIGUSR1 are noted for train_one_epoch instead of ending the process; outside, they do
-    what they did before. Call it in the main thread (Python runs signal handlers there only)."""
+    """Inside, SIGTERM and SIGUSR1 are noted for train_one_epoch instead of ending the process. Call it in the main
+    thread (Python runs signal handlers there only)."""
     before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda received, frame: noted.append(received))
@@ -88,8 +60,7 @@ def stop_signals_noted():
 
 
 def stop_votes() -> list[float]:
-    """One number per stop signal (STOP_SIGNALS' order): 1.0 where this process has received it. Summed over the
-    processes, a number above 0 means some process has."""
+    """1.0 per stop signal (STOP_SIGNALS' order) this process received, else 0.0, to be summed over the processes."""
     return [float(signum in noted) for signum in STOP_SIGNALS]
 
 
@@ -100,21 +71,18 @@ def agreed_signal(votes) -> int | None:
 
 @contextlib.contextmanager
 def saving_a_step_on_stop(log, model, training):
-    """Inside, a stop signal (SIGTERM, SIGUSR1) ends the run at a training step every rank agrees on: rank 0 saves
-    that step as the checkpoint, while the others wait for it, and every process exits with status 128 + the
-    signal. --auto-resume (or --resume) continues from that step. `log` (a run_log.RunLog) gives the checkpoint's
-    state and where it goes, and marks the tracked run stopped, or failed on any other exception (RunLog.ending)."""
+    """Inside, a stop signal ends the run at a step every rank agrees on: rank 0 saves it as the checkpoint (`log`, a
+    run_log.RunLog, says where) while the others wait, and every process exits with status 128 + the signal."""
     with stop_signals_noted(), log.ending():
         try:
             yield
         except StopRequested as stop:
             on_main_process(save_step, log, model, training, stop)
-            raise SystemExit(stop.status) from None
+            raise SystemExit(128 + stop.signum) from None  # as a shell reports a process the signal ended
 
 
 def save_step(log, model, training, stop: StopRequested) -> None:
-    """The checkpoint of a run stopped at step `stop.step` of epoch `stop.epoch`: the training state then, and
-    where in the epoch it is (its "midway"), once the last epoch's files are written (the background's)."""
+    """Save the training state at `stop` with its "midway", once the last epoch's files are written."""
     log.wait_for_writes()
     state = log.training_state(stop.epoch - 1, model, training) | log.tracking.checkpoint_entry()
     try:
@@ -129,8 +97,7 @@ def save_step(log, model, training, stop: StopRequested) -> None:
 
 
 def resume_from(checkpoint: Path | None, model, training, epochs: int) -> tuple[int, float]:
-    """(the first epoch to train, the best validation accuracy so far): from `checkpoint` when the plan resumes
-    one (saying so), else (0, -1). A checkpoint of a step sets `training.midway`: the epoch continues there."""
+    """(first epoch, best validation accuracy) from `checkpoint`, saying so, else (0, -1); sets `training.midway`."""
     if checkpoint is None:
         return 0, -1.0
     state = load_checkpoint(checkpoint)

@@ -1,15 +1,6 @@
-"""SyncBatchNorm for every device: BatchNorm whose statistics cover the global batch, the CPU's and the GPU's alike.
-
-torch's nn.SyncBatchNorm is not used, for two reasons. It runs only on GPUs: the kernels it is built from
-(batch_norm_stats, batch_norm_elemt, ...) exist only there. And on a GPU it makes the host wait for the device in
-every BatchNorm layer of every step (36 times a ResNet-34 step): it drops the statistics of processes with an empty
-batch by a boolean mask (`count_all[mask]` in torch.nn.modules._functions.SyncBatchNorm), a tensor whose size only
-the device knows. The version here computes the same thing from torch's fused BatchNorm kernels, which exist on
-every device, with one small all-reduce per layer in each direction and nothing read on the host: the forward pass
-combines every process's per-channel mean and variance into the global batch's, and the backward pass combines the
-two per-channel gradient sums that BatchNorm's gradient needs. DDP on N processes then computes what one process
-computes on all the images (tests/test_host_syncs.py counts the waits; test_distributed.py checks the sums).
-"""
+"""SyncBatchNorm for every device: BatchNorm whose statistics cover the global batch, from torch's fused kernels with
+one small all-reduce per layer each way and nothing read on the host. torch's nn.SyncBatchNorm runs on GPUs alone,
+and there makes the host wait in every layer (docs/guarantees.md, SyncBatchNorm)."""
 
 import itertools
 
@@ -20,20 +11,15 @@ from torch import nn
 
 @torch.no_grad()
 def global_batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-channel mean and (biased) variance of `x` over every process's batch, and the number of values (a
-    tensor on x's device: read on the host, it would make the host wait for the all-reduce).
-
-    Each process measures its own batch in one fused pass; the moments are combined in float64, which is exact
-    enough that a split batch gives the statistics of the whole one (to float rounding).
-    """
+    """Per-channel mean and (biased) variance of `x` over every process's batch, and the number of values (on x's
+    device: read on the host, it would make the host wait); combined in float64, as exact as the whole batch's."""
     channels = x.shape[1]
     stats_dtype = torch.promote_types(x.dtype, torch.float32)
     # Float32 buffers make torch accumulate bfloat16 input in float32; momentum 0 leaves them as they are.
     scratch = torch.zeros(2, channels, dtype=stats_dtype, device=x.device)
     mean, var = torch.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
-    count = x.numel() // channels
     mean, var = mean.double(), var.double()
-    count = torch.full((1,), count, dtype=torch.float64, device=x.device)  # filled there, not copied from the host
+    count = torch.full((1,), x.numel() // channels, dtype=torch.float64, device=x.device)  # not copied from the host
     moments = torch.cat([mean * count, (var + mean * mean) * count, count])
     dist.all_reduce(moments)
     total = moments[-1]
@@ -43,13 +29,9 @@ def global_batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 class _GlobalBatchNorm(torch.autograd.Function):
-    """y = weight * (x - mean) / sqrt(var + eps) + bias with the global batch's mean and var, and its gradient.
-
-    The gradient flows through the statistics too: for every process's input,
-        dx = weight / sqrt(var + eps) * (dy - mean(dy) - x_hat * mean(dy * x_hat)),
-    the two means taken over the global batch (one all-reduce). The weight and bias gradients stay this
-    process's own sums; DDP averages them over the processes like any other parameter's.
-    """
+    """y = weight * (x - mean) / sqrt(var + eps) + bias with the global batch's mean and var; its gradient
+    dx = weight / sqrt(var + eps) * (dy - mean(dy) - x_hat * mean(dy * x_hat)) takes both means over the global
+    batch, while the weight's and bias's stay this process's own sums (DDP averages them)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, var, eps: float, total: torch.Tensor):
@@ -61,9 +43,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, mean, var, total = ctx.saved_tensors
         invstd = torch.rsqrt(var + ctx.eps)
-        # This process's sum(dy * x_hat) and sum(dy), per channel, in one fused pass. The statistics go in as the
-        # training pass's saved mean and inverse std (train=True): GPUs' kernel requires them there, and fails an
-        # internal assertion when they are left out, as the CPU's does not (tests/fake_cuda.py checks it).
+        # sum(dy * x_hat) and sum(dy); statistics passed as saved ones (train=True): GPUs' kernel asserts them there
         _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
             grad_out, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True]
         )
@@ -72,7 +52,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         channels = mean.numel()
         mean_dy, mean_dy_xhat = sums[:channels] / total, sums[channels:] / total
         scale = invstd if weight is None else weight * invstd
-        # dx = scale * dy + slope * x + offset, per channel: two fused passes over the activations.
+        # dx = scale * dy + slope * x + offset, per channel: two fused passes over the activations
         slope = -scale * invstd * mean_dy_xhat
         offset = -scale * mean_dy - slope * mean
         shape = (1, channels, 1, 1)
@@ -92,7 +72,7 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                # momentum None: the cumulative average, 1 / batches so far (kept on the device)
+                # momentum None: the cumulative average (kept on the device)
                 momentum = 1.0 / self.num_batches_tracked if self.momentum is None else self.momentum
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
                 self.running_var.lerp_((var * total / (total - 1)).to(self.running_var.dtype), momentum)
@@ -100,22 +80,19 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
 
 
 class SyncBatchNormAct2d(SyncBatchNorm2d):
-    """timm's BatchNormAct2d synchronised: BatchNorm over the global batch, then the layer's own dropout and
-    activation (its `drop` and `act`), as timm's layer applies them."""
+    """timm's BatchNormAct2d synchronised: BatchNorm over the global batch, then its own `drop` and `act`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.drop(super().forward(x)))
 
 
 def is_norm_act(layer: nn.Module) -> bool:
-    """timm's BatchNorm with its activation in one layer (timm.layers.BatchNormAct2d: EfficientNet's, and many of
-    timm's networks'), known by its name and its parts, so that timm need not be imported to ask."""
+    """timm's BatchNormAct2d (BatchNorm with its activation), known by its name so timm need not be imported."""
     return isinstance(layer, nn.BatchNorm2d) and type(layer).__name__ == "BatchNormAct2d" and hasattr(layer, "act")
 
 
 def convert_sync_batchnorm(model: nn.Module) -> nn.Module:
-    """Replace every BatchNorm2d with a synchronised one (SyncBatchNorm2d), and every timm BatchNormAct2d with
-    SyncBatchNormAct2d, their weights and statistics kept (the very tensors), their activations too."""
+    """Replace every BatchNorm2d (and timm's BatchNormAct2d) with its synchronised kind, keeping its very tensors."""
     for name, child in model.named_children():
         if type(child) is nn.BatchNorm2d or is_norm_act(child):
             kind = SyncBatchNormAct2d if is_norm_act(child) else SyncBatchNorm2d

@@ -1,6 +1,5 @@
-"""One training epoch and one evaluation pass, the same for one process and for DDP: the step as the textbook
-takes it, with its books (sums one step behind, stop votes, unreadable images) behind a few calls of bookkeeping.py;
-and how they compute (Choice), as auto chose it."""
+"""One training epoch and one evaluation pass, the same for one process and for DDP: the step as the textbook takes
+it, its books behind a few calls of bookkeeping.py; and how they compute (Choice), as auto chose it."""
 
 import contextlib
 import time
@@ -20,10 +19,8 @@ AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --a
 
 @dataclass(frozen=True)
 class Choice:
-    """How a run trains where the flags leave it to auto (autotune/choose.py decides it once, for every rank): the
-    autocast precision (--amp: "off" is float32), the memory layout, the most images a forward and backward pass
-    takes (None: the whole batch), where the training batches are made ("device" or "loader"), the loader workers
-    and compute threads of each process (None: torch's), and the lines saying why."""
+    """How a run trains where the flags leave it to auto (autotune/choose.py decides it once, for every rank);
+    micro_batch None: the whole batch; threads None: torch's."""
 
     amp: str = "off"
     channels_last: bool = False
@@ -53,8 +50,7 @@ class Choice:
         return torch.amp.GradScaler(device.type, enabled=self.amp == "fp16")
 
     def batch_to(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A batch on `device` in this layout: 8-bit images travel as they are (a quarter of float32's bytes; the
-        copy queued from pinned memory on a GPU) and are normalised there, in one float32 copy."""
+        """A batch on `device` in this layout: 8-bit on the way (a quarter of float32's bytes), normalised there."""
         device = torch.device(device)
         return normalise(images.to(device, non_blocking=device.type == "cuda", memory_format=self.memory_format))
 
@@ -66,9 +62,7 @@ class Choice:
 
 @dataclass
 class Training:
-    """What a training step uses and changes: the model as trained (in DDP, compiled, ...), its optimizer and
-    schedule, how it computes, the gradient scaler (float16's), the loss, the weights' average (or None), the batches
-    each optimizer step sums, the largest gradient norm (0: none), and where a resumed epoch goes on (or None)."""
+    """What a training step uses and changes; the model as trained (in DDP, compiled, ...), clip_grad_norm 0: none."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -92,8 +86,7 @@ class Training:
 
 def train_one_epoch(training: Training, data_loader, device, epoch: int, max_skipped=None) -> tuple[float, int]:
     """Train for one epoch; returns (the mean loss over every image of every rank, the images trained on). Each
-    optimizer step sums the gradients of `training.accumulate` batches, each taken in micro-batches whose losses add
-    up to its mean; in DDP only a step's last backward pass all-reduces them."""
+    optimizer step sums `training.accumulate` batches' gradients, each batch's in micro-batches."""
     model, choice, objective, device = training.model, training.choice, training.objective, torch.device(device)
     model.train()
     training.optimizer.zero_grad(set_to_none=True)
@@ -121,8 +114,7 @@ def train_one_epoch(training: Training, data_loader, device, epoch: int, max_ski
 
 
 def optimizer_step(training: Training, scaler: torch.amp.GradScaler) -> None:
-    """The step the summed gradients ask for (clipped first, in their true units), then the schedule's and the
-    weights' average's."""
+    """The step the summed gradients ask for (clipped first, in their true units), the schedule's and the EMA's."""
     if training.clip_grad_norm:
         scaler.unscale_(training.optimizer)  # float16's scaling undone (a disabled scaler: as they are)
         trained = [parameter for group in training.optimizer.param_groups for parameter in group["params"]]
@@ -143,9 +135,7 @@ def synchronised(model, sync: bool):
 
 @torch.no_grad()
 def evaluate(model, data_loader, device, num_classes: int, choice: Choice = Choice(), max_skipped=None, topk=None):
-    """The confusion matrix (rows: true class, columns: predicted) summed over every rank's disjoint validation shard,
-    so that every image counts once; with `topk` (k), also the images whose class is among their k highest logits.
-    Unreadable images (SKIPPED) count in neither; more than `max_skipped` stop every rank."""
+    """The confusion matrix (rows: true class) summed over every rank's validation shard (Tally.over_all_ranks)."""
     device = torch.device(device)
     model.eval()
     tally = Tally(num_classes, device, topk)

@@ -1,5 +1,4 @@
-"""The architectures: torchvision's classification models and timm's (`timm/NAME`), built by name, and what their
-structure says (the classifier head, the layers that draw at random or keep batch statistics)."""
+"""The architectures: torchvision's and timm's models built by name, and what their structure says."""
 
 import difflib
 import functools
@@ -31,8 +30,7 @@ def is_timm(name: str) -> bool:
 
 
 def unknown_model(name: str) -> str | None:
-    """Why `name` names no model we can build (None: it names one): a torchvision classification model, or timm/
-    and one of timm's, with a pretrained tag if any (timm/resnet50.a1_in1k)."""
+    """Why `name` names no model we can build (None: it does): torchvision's, or timm/ and timm's (with its tag)."""
     if name in model_names():
         return None
     if not is_timm(name):
@@ -43,8 +41,7 @@ def unknown_model(name: str) -> str | None:
     import timm  # here: only timm's models need it (0.4 s more at start-up)
     from timm.models import get_arch_pretrained_cfgs
 
-    timm_name = name.removeprefix(TIMM)
-    architecture, _, tag = timm_name.partition(".")
+    architecture, _, tag = name.removeprefix(TIMM).partition(".")
     if not timm.is_model(architecture):
         close = difflib.get_close_matches(architecture, timm.list_models(), n=3)
         hint = f"close: {', '.join(close)}; " if close else ""
@@ -71,8 +68,7 @@ def create_model(num_classes: int, name: str = DEFAULT_MODEL) -> nn.Module:
 
 
 def model_skeleton(name: str, num_classes: int = 2) -> nn.Module:
-    """The model `name` with its tensors on the meta device (no memory), for what its structure says; on the CPU
-    where the constructor computes with tensors (RegNet's)."""
+    """The model `name` on the meta device (no memory), for its structure; on the CPU where it must compute (RegNet)."""
     try:
         with torch.device("meta"):
             return create_model(num_classes, name)
@@ -89,17 +85,13 @@ def head_names(name: str = DEFAULT_MODEL) -> frozenset[str]:
 
 @functools.cache
 def random_draws(name: str = DEFAULT_MODEL) -> tuple[str, ...]:
-    """The class names of the model's layers that draw at random while training (dropout and stochastic depth,
-    their rate in `p`, timm's `drop_prob` or `drop_rate`): () for a network whose steps depend on its weights and
-    batch alone."""
-    rates = ("p", "drop_prob", "drop_rate")
-    return layer_kinds(name, lambda layer: any(getattr(layer, rate, 0) for rate in rates))
+    """The class names of the model's layers that draw at random while training (dropout, stochastic depth)."""
+    return layer_kinds(name, lambda layer: any(getattr(layer, rate, 0) for rate in ("p", "drop_prob", "drop_rate")))
 
 
 @functools.cache
 def batch_statistics(name: str = DEFAULT_MODEL) -> tuple[str, ...]:
-    """The class names of the model's layers that normalise by a batch's statistics (BatchNorm): () for a network
-    whose steps do not depend on how a batch is split."""
+    """The class names of the model's layers that normalise by a batch's statistics (BatchNorm)."""
     return layer_kinds(name, lambda layer: isinstance(layer, _BatchNorm))
 
 

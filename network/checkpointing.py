@@ -1,5 +1,4 @@
-"""Gradient checkpointing: each block's activations recomputed in the backward pass, for any model whose blocks are
-known (timm's say so themselves), BatchNorm's running statistics still updated once a step."""
+"""Gradient checkpointing of any model whose blocks are known, BatchNorm's running statistics updated once a step."""
 
 import types
 
@@ -25,12 +24,8 @@ BLOCK_SEQUENCES = {
 
 
 def enable_grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
-    """Make `model` keep only each block's input and recompute its activations in the backward pass: less memory
-    for one more forward pass. Non-reentrant (DDP and no_sync take it as any backward pass), the random state
-    restored so dropout draws the same masks: the plain model's gradients. timm's models checkpoint their own
-    blocks; torchvision's have those BLOCK_SEQUENCES names wrapped here, parameter names unchanged. UserError where
-    no blocks are known. BatchNorm's running statistics are frozen from each training forward pass to the end of
-    its backward pass, so that the recomputation does not update them again (pytorch/pytorch#96136)."""
+    """Make `model` recompute each block's activations in the backward pass, with the plain model's gradients;
+    BatchNorm's statistics frozen until the backward pass ends, so not updated twice (pytorch/pytorch#96136)."""
     if is_timm(name):
         from timm.layers import set_reentrant_ckpt
 
@@ -57,9 +52,7 @@ def enable_grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
 
 
 def checkpoint_blocks(sequence: nn.Sequential) -> None:
-    """Run `sequence`'s children in checkpointed runs: each child with parameters starts one, the parameterless
-    layers after it (activation, pooling) join it; a stage checkpoints its own blocks instead; a run starting with
-    an in-place layer (which would change the input kept) is not checkpointed. Only the forward is replaced."""
+    """Run `sequence`'s children in checkpointed runs: each child with parameters and the parameterless ones after."""
     runs = []  # (checkpointed?, the names of the children it runs)
     for child_name, child in sequence.named_children():
         if is_sequence_of_blocks(child):
@@ -68,7 +61,7 @@ def checkpoint_blocks(sequence: nn.Sequential) -> None:
         elif runs and runs[-1][0] and not any(True for _ in child.parameters()):
             runs[-1][1].append(child_name)
         else:
-            runs.append((not getattr(child, "inplace", False), [child_name]))
+            runs.append((not getattr(child, "inplace", False), [child_name]))  # in place: it would change the input
     sequence.checkpointed_runs = runs
     sequence.forward = types.MethodType(forward_in_checkpointed_runs, sequence)
 
@@ -76,12 +69,8 @@ def checkpoint_blocks(sequence: nn.Sequential) -> None:
 def is_sequence_of_blocks(module: nn.Module) -> bool:
     """A stage: a plain nn.Sequential whose every child has children itself."""
     children = list(module.children())
-    return (
-        isinstance(module, nn.Sequential)
-        and type(module).forward is nn.Sequential.forward
-        and bool(children)
-        and all(any(True for _ in child.children()) for child in children)
-    )
+    plain = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+    return plain and bool(children) and all(any(True for _ in child.children()) for child in children)
 
 
 def forward_in_checkpointed_runs(self: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
@@ -102,8 +91,7 @@ def run_layers(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 def running_statistics_on(model: nn.Module, *forward_args) -> None:
-    """The BatchNorm layers running_statistics_off froze update their statistics again, their count of batches
-    as at the end of the forward pass (after the backward pass, or before the next forward pass)."""
+    """The BatchNorm layers running_statistics_off froze update their statistics again, their count restored."""
     for layer in model.modules():
         if hasattr(layer, "momentum_while_frozen"):
             layer.momentum = layer.__dict__.pop("momentum_while_frozen")
@@ -112,9 +100,8 @@ def running_statistics_on(model: nn.Module, *forward_args) -> None:
 
 
 def running_statistics_off(model: nn.Module, args, output) -> None:
-    """After a training forward pass, each BatchNorm layer keeps its running statistics (momentum 0, its count of
-    batches kept aside) until the backward pass has computed every gradient. (Not track_running_stats=False:
-    BatchNorm would then save other tensors for its backward pass, which the checkpoint refuses.)"""
+    """After a training forward pass, BatchNorm keeps its running statistics (momentum 0, its count aside) until the
+    backward pass ends (not track_running_stats=False: BatchNorm would save other tensors, which checkpoint refuses)."""
     if not (model.training and torch.is_grad_enabled()):
         return
     for layer in model.modules():

@@ -1,5 +1,4 @@
-"""Parameter groups: layer-wise learning-rate decay (the order of a model's layers) and the weight decay of norms and
-biases."""
+"""Parameter groups: layer-wise learning-rate decay (the order of a model's layers), the decay of norms and biases."""
 
 from torch import nn
 
@@ -21,9 +20,7 @@ NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalRes
 
 
 def layer_scales(model: nn.Module, name: str, layer_decay: float) -> dict[str, float]:
-    """Each parameter's share of the learning rate under layer-wise decay (by name, of `model` unwrapped): the
-    head's 1, each layer before it `layer_decay` times the next one's. The layers are timm's own (its
-    param_groups_layer_decay) or those LAYERS names; UserError for a model whose order of layers is not known."""
+    """Each parameter's share of the learning rate: the head's 1, each layer before `layer_decay` times the next's."""
     if is_timm(name):
         from timm.optim import param_groups_layer_decay
 
@@ -48,17 +45,13 @@ def layer_scales(model: nn.Module, name: str, layer_decay: float) -> dict[str, f
             prefixes.append(layer.split())
     scales = {}
     for key, _ in model.named_parameters():
-        depth = next(
-            (i for i, layer in enumerate(prefixes) for p in layer if key == p or key.startswith(p + ".")), None
-        )
+        depth = next((i for i, layer in enumerate(prefixes) for p in layer if f"{key}.".startswith(f"{p}.")), None)
         scales[key] = 1.0 if depth is None else layer_decay ** (len(prefixes) - depth)
     return scales
 
 
 def norms_and_biases(model: nn.Module, name: str) -> frozenset[str]:
-    """The names of `model`'s (unwrapped) parameters that --norm-weight-decay applies to: for torchvision's
-    models, the norm layers' weights and every bias, as torchvision's references choose; for timm's, timm's own
-    choice (param_groups_weight_decay: 1-D tensors and what no_weight_decay() names)."""
+    """The names of the parameters --norm-weight-decay applies to: norms' weights and biases (timm's models: timm's)."""
     if is_timm(name):
         from timm.optim import param_groups_weight_decay
 

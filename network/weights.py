@@ -1,5 +1,4 @@
-"""Weights files: the one `--weights` names (pretrained weights in torchvision's or Hugging Face's cache, downloaded
-there once, or a path), read safely and loaded into a model, with a report of what loaded."""
+"""Weights files: the one `--weights` names (pretrained, downloaded once, or a path), read safely and loaded."""
 
 import http.client
 import os
@@ -14,15 +13,7 @@ from filelock import FileLock
 from torch import nn
 from torchvision.models import get_model_weights
 
-from network.architectures import (
-    DEFAULT_MODEL,
-    IMAGENET,
-    TIMM,
-    WRAPPER_PREFIXES,
-    check_model_name,
-    head_names,
-    is_timm,
-)
+from network.architectures import DEFAULT_MODEL, IMAGENET, TIMM, WRAPPER_PREFIXES, check_model_name, head_names, is_timm
 from read_back import safe_load
 from utils import UserError
 
@@ -31,23 +22,16 @@ DOWNLOAD_TIMEOUT_S = 15
 
 
 def weights_file(spec: str | os.PathLike, name: str = DEFAULT_MODEL) -> Path:
-    """The file that `--weights spec` names for model `name`: for the word IMAGENET the model's pretrained weights
-    (downloaded if not cached yet), else a path as it is (a file called imagenet is `./imagenet`)."""
+    """The file `--weights spec` names: IMAGENET's pretrained weights (downloaded if not cached), or a path."""
     if isinstance(spec, str) and spec == IMAGENET:
-        return timm_weights_file(name) if is_timm(name) else imagenet_weights_file(imagenet_weights_url(name))
+        if is_timm(name):
+            return timm_weights_file(name)
+        return imagenet_weights_file(get_model_weights(check_model_name(name)).DEFAULT.url)
     return Path(spec)
 
 
-def imagenet_weights_url(name: str = DEFAULT_MODEL) -> str:
-    """The URL of torchvision's DEFAULT (best) ImageNet weights for model `name`."""
-    return get_model_weights(check_model_name(name)).DEFAULT.url
-
-
 def imagenet_weights_file(url: str) -> Path:
-    """torchvision's ImageNet weights file in torchvision's own cache (torch.hub.get_dir()/checkpoints),
-    downloaded from `url` by torch.hub first if not there: hash-checked, renamed into place when whole, torchrun's
-    ranks taking turns on a lock. Called by run/plan.py's prepare, so that a missing network is one line at
-    start-up: a UserError saying where to fetch the file from and where to put it."""
+    """torchvision's weights from `url` in its cache, downloaded if not there; UserError saying where to put them."""
     path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(url).path)
     if path.is_file():
         return path
@@ -57,7 +41,7 @@ def imagenet_weights_file(url: str) -> Path:
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # taken by the sockets urllib opens inside torch.hub
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(path.parent / f".{path.name}.lock"):  # filelock: flock on Linux and macOS, msvcrt on Windows
+        with FileLock(path.parent / f".{path.name}.lock"):
             if not path.is_file():  # else another process downloaded it while we waited
                 print(f"Downloading {url} to {path}", flush=True)
                 torch.hub.download_url_to_file(url, str(path), hash_match.group(1) if hash_match else None)
@@ -74,10 +58,7 @@ def imagenet_weights_file(url: str) -> Path:
 
 
 def timm_weights_file(name: str) -> Path:
-    """timm's pretrained weights for timm/NAME (its tag's, else the architecture's default) in Hugging Face's
-    cache, where timm keeps them; a cached file needs no network, else huggingface_hub downloads it (with its
-    timeouts, renaming and lock; HF_HUB_OFFLINE=1 forbids it). UserError where there are none or the download
-    fails, saying where to fetch the file from."""
+    """timm's pretrained weights for timm/NAME in Hugging Face's cache, downloaded if not there; UserError if none."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
     from huggingface_hub.errors import HTTPError
     from timm.models import get_pretrained_cfg
@@ -123,18 +104,8 @@ class LoadReport:
         return "; ".join(parts)
 
 
-def strip_wrapper_prefixes(state_dict: dict) -> dict:
-    def strip(name: str) -> str:
-        while name.startswith(WRAPPER_PREFIXES):
-            name = name.split(".", 1)[1]
-        return name
-
-    return {strip(name): tensor for name, tensor in state_dict.items()}
-
-
 def read_state_dict(path) -> dict:
-    """A state dict from a weights file: a plain one, a checkpoint holding one under "model" (ours) or
-    "state_dict" (timm's), or a .safetensors file."""
+    """A state dict from a weights file (plain, under "model" or "state_dict", or .safetensors), unwrapped."""
     data = read_safetensors(path) if Path(path).suffix == ".safetensors" else safe_load(path, "weights file")
     for key in ("model", "state_dict"):
         if isinstance(data, dict) and isinstance(data.get(key), dict):
@@ -142,15 +113,19 @@ def read_state_dict(path) -> dict:
             break
     if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise UserError(f"weights file {path} does not hold a state dict (a mapping of names to tensors)")
-    return strip_wrapper_prefixes(data)
+    unwrapped = {}
+    for name, tensor in data.items():
+        while name.startswith(WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        unwrapped[name] = tensor
+    return unwrapped
 
 
 def load_weights(
     model: nn.Module, source, strict: bool = False, name: str = DEFAULT_MODEL, what: str | None = None
 ) -> LoadReport:
-    """Load a weights file (or a state dict read from one: `what` names it) into `model`; returns what was loaded
-    and skipped. Lenient (--weights): a head of another shape is left as initialised, anything else that does not
-    fit is refused. Strict (a run's own weights, in inference): every tensor must be there, with its shape."""
+    """Load a weights file (or a state dict read from one: `what` names it) into `model`. Lenient (--weights): a head
+    of another shape is left as initialised, any other misfit refused. Strict (a run's own weights): all must fit."""
     state_dict = source if isinstance(source, dict) else read_state_dict(source)
     own = model.state_dict()
     report = LoadReport()
@@ -168,14 +143,9 @@ def load_weights(
     else:
         if not report.loaded:
             raise UserError(f"{what} has no tensor that fits this model (is it for another architecture?)")
-        # Only the head may differ; files older than torchvision 0.4.1 (resnet34-333f7ec4.pth) lack the
-        # num_batches_tracked counters. Anything else means another network.
-        head = head_names(name)
-        misfits = [
-            key
-            for key in report.missing + report.skipped_shape
-            if key not in head and not key.endswith("num_batches_tracked")
-        ]
+        # Only the head may differ; files before torchvision 0.4.1 (resnet34-333f7ec4.pth) lack num_batches_tracked
+        head, unloaded = head_names(name), report.missing + report.skipped_shape
+        misfits = [key for key in unloaded if key not in head and not key.endswith("num_batches_tracked")]
     if misfits:
         raise UserError(
             f"{what} does not fit {name}: {len(misfits)} tensors missing, extra or of another shape "

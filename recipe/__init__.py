@@ -1,2 +1,1 @@
-"""What a run computes, where a user changes it: the optimizer and its schedule (optimizer.py), the loss
-(loss.py)."""
+"""What a run computes, where a user changes it: the optimizer and its schedule (optimizer.py), the loss (loss.py)."""

@@ -17,25 +17,15 @@ from dataset.transforms import normalise
 
 
 def balanced_class_weights(labels: list[int], num_classes: int) -> torch.Tensor:
-    """Each class's weight: the inverse of its share of `labels`, scaled so that the weights average 1 over the
-    images (images of a class half as common count twice as much; the loss keeps its scale)."""
+    """Each class's weight: the inverse of its share of `labels`, scaled to average 1 over the images."""
     counts = Counter(labels)
     return torch.tensor([len(labels) / (num_classes * counts[c]) if counts[c] else 0.0 for c in range(num_classes)])
 
 
 @dataclass(frozen=True, eq=False)
 class Objective:
-    """What a training step minimises: cross-entropy against soft targets.
-
-    Each image's target is its one-hot class, smoothed (`label_smoothing` of it spread evenly over the classes),
-    then mixed with another image's by mixup or cutmix; the loss of an image is -sum_c weight_c * target_c *
-    log p_c (weight 1 without class weights), and a step's loss is the mean over its readable images. With
-    neither, it is nn.CrossEntropyLoss's. An image that could not be read (label SKIPPED) has an all-zero
-    target: it adds nothing, wherever it is mixed to.
-
-    Mixing is drawn per step from sample_seed(seed, epoch, step) alone, on the training process (not in loader
-    workers): the same for any number of workers, and every rank mixes its own batch by the same draw.
-    """
+    """Cross-entropy against smoothed, mixed, class-weighted targets; an unreadable image (SKIPPED) adds nothing.
+    Mixing is drawn in the training process from the step's seed alone: the same whatever the loader workers."""
 
     label_smoothing: float = 0.0
     class_weights: torch.Tensor | None = None
@@ -45,35 +35,24 @@ class Objective:
 
     @functools.cached_property
     def mixer(self) -> nn.Module | None:
-        mixers = [
-            mix(alpha=alpha)
-            for mix, alpha in ((v2.MixUp, self.mixup_alpha), (v2.CutMix, self.cutmix_alpha))
-            if alpha > 0
-        ]
+        alphas = ((v2.MixUp, self.mixup_alpha), (v2.CutMix, self.cutmix_alpha))
+        mixers = [mix(alpha=alpha) for mix, alpha in alphas if alpha > 0]
         return v2.RandomChoice(mixers) if len(mixers) > 1 else next(iter(mixers), None)
 
     def mix(self, images: torch.Tensor, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The batch mixed by mixup or cutmix as drawn for this step, and the mixing matrix (batch x batch: row i
-        holds the shares of each image in mixed image i) that mixes their targets alike; (images, None) when
-        both are off.
-
-        torchvision's transforms mix images and labels together; given the identity matrix as the labels, they
-        return the mixing itself, which `loss_sum` then applies to targets of any number of classes.
-        """
+        """The batch mixed as drawn for this step, and the mixing matrix (row i: each image's share in mixed image
+        i) that `loss_sum` applies to the targets; (images, None) without mixup or cutmix."""
         if self.mixer is None:
             return images, None
         images = normalise(images)  # the network's inputs are mixed (as Compute.batch_to gives them, unchanged)
         with torch.random.fork_rng(devices=[]):  # the draw leaves the training's own random stream alone
             torch.default_generator.manual_seed(sample_seed(self.seed, epoch, step))
-            return self.mixer(images, torch.eye(len(images), device=images.device))
+            return self.mixer(images, torch.eye(len(images), device=images.device))  # the identity, mixed: the matrix
 
     @staticmethod
     def pieces(images: torch.Tensor, labels: torch.Tensor, mixing: torch.Tensor | None, size: int | None):
-        """The batch (as `mix` returned it) in micro-batches of at most `size` images (None: the whole batch), as
-        few as that allows and as even as they can be (10 images in pieces of at most 4: 4, 3, 3, not 4, 4, 2),
-        each as (images, labels, mixing) for the forward pass and `loss_sum`: its own labels, or when the batch is
-        mixed, its rows of the mixing matrix and every label of the batch (a mixed image's target draws on them
-        all), so that the pieces' loss sums add up to the whole batch's."""
+        """The batch in as few, as even micro-batches of at most `size` images as can be, each (images, labels,
+        mixing): a mixed piece keeps every label, so that the pieces' loss sums add up to the whole batch's."""
         count = 1 if size is None else math.ceil(len(images) / size)
         if count <= 1:
             return [(images, labels, mixing)]
@@ -83,10 +62,7 @@ class Objective:
         return [(part, labels, rows) for part, rows in parts]
 
     def targets(self, labels: torch.Tensor, num_classes: int, mixing=None, dtype=torch.float32) -> torch.Tensor:
-        """Smoothed one-hot targets (batch x classes), mixed by `mixing`; rows of skipped images are zero.
-
-        Built by comparing each label with every class on the labels' device: no value of them is read on the
-        host."""
+        """Smoothed one-hot targets (batch x classes), mixed by `mixing`, made without reading a label on the host."""
         classes = torch.arange(num_classes, device=labels.device)
         one_hot = (labels[:, None] == classes).to(dtype)  # a SKIPPED label (-1) matches no class
         read = (labels != SKIPPED).to(dtype)[:, None]
@@ -105,14 +81,12 @@ class Objective:
 
 def class_weights(config, split) -> torch.Tensor | None:
     """The class weights --class-weights asks for, from the training split; None for none."""
-    return (
-        balanced_class_weights(split.train_labels, len(split.classes)) if config.class_weights == "balanced" else None
-    )
+    balanced = config.class_weights == "balanced"
+    return balanced_class_weights(split.train_labels, len(split.classes)) if balanced else None
 
 
 def describe_class_weights(config, split) -> str | None:
-    """The line a run prints about its class weights, e.g. "Class weights (balanced): daisy 1.02, ..."; None
-    without."""
+    """The line a run prints about its class weights; None without."""
     weights = class_weights(config, split)
     if weights is None:
         return None
@@ -122,8 +96,7 @@ def describe_class_weights(config, split) -> str | None:
 
 
 def build_objective(config, split, device: torch.device | str = "cpu") -> Objective:
-    """The loss the configuration asks for: label smoothing, class weights from the training split (on `device`,
-    where the step computes: copied there once, not every step), mixup and cutmix."""
+    """The loss the configuration asks for, its class weights copied to `device` once, not every step."""
     weights = class_weights(config, split)
     weights = None if weights is None else weights.to(device)
     return Objective(config.label_smoothing, weights, config.mixup_alpha, config.cutmix_alpha, config.seed)

@@ -1,15 +1,10 @@
-"""A run's configuration: the training scripts' flags as one frozen value, `Config`.
-
-Each field is one flag, declared once with its default, its help and whether it belongs to the recipe (what the
-run computes: a resumed run must keep those) or only to how and where it runs (speed, devices, folders: those may
-change). The command line is built from these declarations (`parse_config`), a run's args.json loads back into the
-same value (`Config.from_record`), and `--config RUN/args.json` starts a new run with that run's recipe.
-"""
+"""A run's configuration, `Config`: each of the training scripts' flags declared once, with its default, its help and
+whether it is recipe; the command line, args.json (`Config.from_record`) and --config all go through them."""
 
 import argparse
-import functools
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
+from functools import cache, partial
 from pathlib import Path
 
 from dataset.demo import DEMO_DATA_PATH
@@ -20,21 +15,14 @@ from utils import HelpFormatter, Parser, UserError, number, positive_float, posi
 
 SINGLE, LAUNCH, SPAWN = "train_single_gpu", "train_multi_gpu_using_launch", "train_multi_gpu_using_spawn"
 SCRIPTS, DDP_SCRIPTS = (SINGLE, LAUNCH, SPAWN), (LAUNCH, SPAWN)
-# --demo trains on generated data with settings that finish in a few minutes on a laptop CPU; any flag given on
-# the command line still wins.
+# --demo's settings, which finish in a few minutes on a laptop CPU (any flag given still wins)
 DEMO_DEFAULTS = {"epochs": 8, "img_size": 48, "batch_size": 32, "lr": 0.01}
-# Weight decay by optimizer: SGD's is an L2 penalty added to the gradient, AdamW's is decoupled (applied to the
-# weights directly, as a share of the learning rate), and their usual values differ by that much.
+# Weight decay by optimizer: SGD's is an L2 penalty on the gradient, AdamW's decoupled, hence their different scales
 WEIGHT_DECAY = {"sgd": 1e-4, "adamw": 0.05}
 
 
 def flag(default, help: str, *, group: str, recipe=False, scripts=SCRIPTS, switch=False, **argparse_options):
-    """A Config field that is also a command-line flag of `scripts` (its name, dashes for underscores), in help
-    group `group`.
-
-    `switch`: an on/off flag with a --no- form (argparse's type=bool would take "False" as true). `recipe`: the
-    value decides what the run computes, so a resumed run must keep it.
-    """
+    """A Config field that is a flag of `scripts` in help group `group` (`recipe`: a resume must keep it)."""
     if switch:
         argparse_options["action"] = argparse.BooleanOptionalAction
     metadata = {"group": group, "help": help, "recipe": recipe, "scripts": scripts, "argparse": argparse_options}
@@ -52,35 +40,26 @@ def auto_or(kind):
 
 
 def model_name(text: str) -> str:
-    """--model's type: a torchvision classification model's name, or timm/ and one of timm's (not listed in --help:
-    timm has over a thousand)."""
+    """--model's type: a torchvision classification model's name, or timm/ and one of timm's."""
     if reason := unknown_model(text):
         raise argparse.ArgumentTypeError(reason)
     return text
 
 
-def flags_in(group: str, *, recipe=False, scripts=SCRIPTS):
-    """A maker of flags (see flag) in help group `group`, of `scripts`, part of the recipe or not."""
-    return functools.partial(flag, group=group, recipe=recipe, scripts=scripts)
-
-
-data_flag, data_recipe = flags_in("data"), flags_in("data", recipe=True)
-optimisation_recipe = flags_in("optimisation", recipe=True)
-model_flag, model_recipe = flags_in("model"), flags_in("model", recipe=True)
-single_process_flag = flags_in("model", scripts=(SINGLE,))
-speed_flag, run_flag = flags_in("speed"), flags_in("run")
-ddp_flag, ddp_recipe = (
-    flags_in("distributed", scripts=DDP_SCRIPTS),
-    flags_in("distributed", recipe=True, scripts=DDP_SCRIPTS),
-)
-spawn_flag = flags_in("distributed", scripts=(SPAWN,))
+data_flag, data_recipe = partial(flag, group="data"), partial(flag, group="data", recipe=True)
+optimisation_recipe = partial(flag, group="optimisation", recipe=True)
+model_flag, model_recipe = partial(flag, group="model"), partial(flag, group="model", recipe=True)
+single_process_flag = partial(flag, group="model", scripts=(SINGLE,))
+speed_flag, run_flag = partial(flag, group="speed"), partial(flag, group="run")
+ddp_flag = partial(flag, group="distributed", scripts=DDP_SCRIPTS)
+ddp_recipe = partial(flag, group="distributed", recipe=True, scripts=DDP_SCRIPTS)
+spawn_flag = partial(flag, group="distributed", scripts=(SPAWN,))
 
 
 @dataclass(frozen=True)
 class Config:
     """Everything the command line says about a run (see --help for each flag)."""
 
-    # data
     data_path: Path | None = data_flag(None, "folder with one sub-folder of images per class", type=Path)
     demo: bool = data_flag(
         False,
@@ -113,7 +92,6 @@ class Config:
         type=number(int, 0),
     )
 
-    # optimisation
     epochs: int = optimisation_recipe(30, "passes over the training images", type=positive_int)
     batch_size: int = optimisation_recipe(16, "images per step in each process", type=positive_int)
     lr: float = optimisation_recipe(
@@ -161,7 +139,6 @@ class Config:
     )
     seed: int = optimisation_recipe(0, "seeds weights, data split, shuffling and augmentation", type=number(int, 0))
 
-    # model
     model: str = model_recipe(
         DEFAULT_MODEL,
         f"any torchvision classification model (resnet50, efficientnet_b0, ...) or {TIMM}NAME, any of timm's",
@@ -184,7 +161,6 @@ class Config:
         False, "split each batch over every visible GPU with nn.DataParallel (DDP is faster)", action="store_true"
     )
 
-    # speed
     amp: str = speed_flag(
         "auto",
         "autocast precision: auto times float32 and, where the device computes it, bf16 (fp16 scales gradients)",
@@ -222,7 +198,6 @@ class Config:
         choices=["auto", "device", "loader"],
     )
 
-    # run
     resume: Path | None = run_flag(None, "continue the run whose checkpoint.pth this is (in its folder)", type=Path)
     auto_resume: bool = run_flag(
         False, "continue from --output-dir's checkpoint.pth when there is one, else start", action="store_true"
@@ -238,7 +213,6 @@ class Config:
     )
     track_weights: bool = run_flag(False, "with tracking, also upload weights/best.pth at the end", action="store_true")
 
-    # distributed
     sync_bn: bool = ddp_recipe(True, "synchronise BatchNorm statistics across processes", switch=True)
     dist_url: str = ddp_flag("env://", "how processes find each other (env:// reads MASTER_ADDR and MASTER_PORT)")
     dist_backend: str | None = ddp_flag(
@@ -260,16 +234,13 @@ class Config:
 
     @classmethod
     def from_record(cls, record: dict, source: str) -> "Config":
-        """A run's saved configuration (args.json, or a checkpoint's "args", read from `source`) as a Config, its
-        values through the command line's checks (`admitted`): unknown keys are ignored, missing ones take their
-        defaults."""
+        """A run's record through the command line's checks (`admitted`); unknown keys ignored, missing ones default."""
         known = {f.name for f in fields(cls)} - {"script"}
         script = record.get("script") if record.get("script") in SCRIPTS else SINGLE
         return cls(**admitted({name: value for name, value in record.items() if name in known}, source), script=script)
 
     def record(self, **decided) -> dict:
-        """JSON-able plain data (paths as strings), with what was decided from the flags (`decided`, e.g. the data
-        folder --demo chose, the memory layout "auto" chose): args.json, and the checkpoint's "args"."""
+        """args.json's and the checkpoint's "args": JSON-able (paths as strings), with what was `decided` from them."""
         plain = lambda value: str(value) if isinstance(value, Path) else value  # noqa: E731
         return {key: plain(value) for key, value in {**asdict(self), **decided}.items()}
 
@@ -279,25 +250,13 @@ def add_flags(parser: argparse.ArgumentParser, script: str | None) -> argparse.A
     groups = {}
     for f in fields(Config):
         scripts = f.metadata.get("scripts", ())  # none: not a flag (Config.script)
-        if f.default is MISSING or not scripts or (script is not None and script not in scripts):
+        if not scripts or (script is not None and script not in scripts):
             continue
-        group = groups.get(f.metadata["group"]) or groups.setdefault(
-            f.metadata["group"], parser.add_argument_group(f.metadata["group"])
-        )
-        group.add_argument(
+        group = f.metadata["group"]
+        groups[group] = groups.get(group) or parser.add_argument_group(group)
+        groups[group].add_argument(
             "--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **f.metadata["argparse"]
         )
-    return parser
-
-
-def build_parser(script: str, description: str) -> argparse.ArgumentParser:
-    """The command line of `script`: every Config field that is one of its flags, and --config."""
-    parser = add_flags(Parser(description=description, formatter_class=HelpFormatter), script)
-    parser.add_argument(
-        "--config",
-        type=Path,
-        help="start with the recipe and data of a run's args.json (RUN/args.json); flags given here still win",
-    )
     return parser
 
 
@@ -312,16 +271,14 @@ class ValueParser(argparse.ArgumentParser):
         raise Refused(message.split(": ", 1)[-1])
 
 
-@functools.cache
+@cache
 def value_parser() -> ValueParser:
     """Every Config field as a flag, of whichever script: the checks a value passes wherever it comes from."""
     return add_flags(ValueParser(add_help=False, allow_abbrev=False), script=None)
 
 
 def as_typed(name: str, value) -> list[str]:
-    """The command-line words that give field `name` the value `value` (from a JSON file, say), as a user would
-    type them: a switch as --sync-bn or --no-sync-bn, any other value as --lr=text (a float's shortest round-trip
-    text). None leaves a field that may be None at its default; Refused for what no typing gives."""
+    """The command-line words that give field `name` the value `value`; Refused for what no typing gives."""
     option = "--" + name.replace("_", "-")
     action = Config.__dataclass_fields__[name].metadata["argparse"].get("action")
     if value is None and Config.default(name) is None:
@@ -336,10 +293,7 @@ def as_typed(name: str, value) -> list[str]:
 
 
 def admitted(values: dict, source: str) -> dict:
-    """`values` (Config fields by name) from `source` (a --config file, a checkpoint's record: anything but the
-    command line) through the command line's own checks, each as if typed there: the same types, ranges and
-    finiteness, in the same words. The values as the command line gives them; UserError naming the source, the
-    flag and the value otherwise."""
+    """`values` from `source` through the command line's checks, as if typed there; else UserError naming them."""
     checked = {}
     for name, value in values.items():
         try:
@@ -351,20 +305,21 @@ def admitted(values: dict, source: str) -> dict:
 
 def parse_config(script: str, description: str, argv=None) -> Config:
     """The command line as a Config: --config's run first, then --demo's quick settings, then the flags given."""
-    parser = build_parser(script, description)
+    parser = add_flags(Parser(description=description, formatter_class=HelpFormatter), script)
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="start with the recipe and data of a run's args.json (RUN/args.json); flags given here still win",
+    )
     given = parser.parse_args(argv)
-    defaults = {}
-    if given.demo:
-        defaults |= DEMO_DEFAULTS
-    if given.config is not None:
-        defaults |= recipe_of(given.config)
+    defaults = (DEMO_DEFAULTS if given.demo else {}) | (recipe_of(given.config) if given.config is not None else {})
     if defaults:
         parser.set_defaults(**defaults)
         given = parser.parse_args(argv)
-    values = {name: value for name, value in vars(given).items() if name != "config"}
-    config = Config(**values, script=script)
-    if config.weight_decay is None:
-        config = replace(config, weight_decay=WEIGHT_DECAY[config.opt])
+    del given.config
+    if given.weight_decay is None:
+        given.weight_decay = WEIGHT_DECAY[given.opt]
+    config = Config(**vars(given), script=script)
     if config.warmup_epochs >= config.epochs:
         parser.error(f"--warmup-epochs {config.warmup_epochs} leaves no epoch of --epochs {config.epochs} to decay")
     if config.batches == "device" and (config.auto_augment != "none" or config.random_erase > 0):

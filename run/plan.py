@@ -1,9 +1,5 @@
-"""The checked plan: what a run decides from its configuration before any training process starts.
-
-`prepare` checks the input (the data, the weights, a checkpoint to resume, the output folder), makes the demo data,
-splits the dataset, takes the output folder for this run (one run per folder: hold_run_folder) and returns a Plan:
-everything the training loop needs to know that the flags alone do not say. Mistakes end here, in one line.
-"""
+"""The checked plan: what a run decides from its configuration before any training process starts (`prepare`),
+so that every mistake in the input ends here, in one line (docs/resuming-and-failures.md)."""
 
 import shutil
 import time
@@ -27,8 +23,7 @@ from utils import UserError, check_writable, describe, printable, run_files_in
 
 @dataclass(frozen=True)
 class Plan:
-    """What prepare decided: the data folder and its split, the weights to start from, the checkpoint to resume
-    (None for a new run) and the folder the run writes to."""
+    """What prepare decided: the data and its split, the weights, the checkpoint to resume and the output folder."""
 
     data_path: Path
     split: DataSplit
@@ -45,14 +40,9 @@ class Plan:
 
 
 def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
-    """Check the input and make the one-time decisions that need no process group, for `world_size` processes;
-    returns the configuration to train with (`config`, or for a run resumed on another number of processes, its
-    per-process batch and rate: per_process_recipe) and the Plan.
-
-    Makes the demo data, splits the dataset (checking every image can be read, once per run: ImageCheck), finds
-    the weights file, decides whether the run resumes (on the same split) and where it writes, and holds that
-    folder for the process that writes there; raises UserError for bad input or a folder another live run holds.
-    """
+    """Check the input and make the decisions that need no process group, for `world_size` processes: the config
+    to train with (per_process_recipe's) and the Plan. Holds the output folder for the process that writes there;
+    UserError for bad input or a folder another live run holds."""
     check_backend(config.dist_backend)  # nccl where this torch has none (Windows, macOS): said before any worker
     check_input_size(config.model, config.img_size)  # a ViT at 48 px: one line, before any folder is made
     data_path = config.data_path or (DEMO_DATA_PATH if config.demo else None)
@@ -73,7 +63,6 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     weights = None
     if config.weights is not None:
         weights = weights_file(config.weights, config.model)  # `imagenet`: downloaded here, before any worker starts
-        # refuse an unusable file before starting, and say what it holds for the model
         state_dict, model = read_state_dict(weights), create_model(len(split.classes), config.model)
         fix = "train {theirs} from them (--model {theirs}), or {model} from other weights (--weights imagenet, or none)"
         with of_their_model(weights, config.model, fix):  # (read first: a file that cannot be read is said as such)
@@ -92,9 +81,8 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
 
 
 def check_split(config: Config, split: DataSplit, data_path: Path, world_size: int) -> None:
-    if split.given and config.val_rate != Config.default("val_rate"):
-        if first_rank():  # under torchrun every rank prepares: say it once
-            print(f"note: --val-rate {config.val_rate} is ignored: {data_path} holds train/ and val/, used as given")
+    if split.given and config.val_rate != Config.default("val_rate") and first_rank():
+        print(f"note: --val-rate {config.val_rate} is ignored: {data_path} holds train/ and val/, used as given")
     if split.unreadable and config.strict_images:
         raise UserError(f"{len(split.unreadable)} unreadable image(s) (--strict-images): {describe(split.unreadable)}")
     if len(split.classes) < 2:  # one class: its loss is 0 from the first step, and nothing is learnt
@@ -116,8 +104,7 @@ def check_split(config: Config, split: DataSplit, data_path: Path, world_size: i
 
 
 def first_rank() -> bool:
-    """Whether this process is rank 0, before any process group exists: under torchrun every rank prepares, and
-    rank 0 alone speaks and writes."""
+    """Whether this process is rank 0, before any process group exists (under torchrun every rank prepares)."""
     return (launcher_environment() or {}).get("rank", 0) == 0
 
 
@@ -126,14 +113,9 @@ FINISHED_EPOCH_FILES = (METRICS_NAME, CHECKPOINT_NAME, "weights/*.pth")
 
 
 def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> None:
-    """Refuse, before any file is touched, a run that would write into another run's folder. A resume writes into
-    its checkpoint's folder, or into one that holds no run's files (and says so). A new run writes into a folder
-    that holds no finished epoch: what a start that ended before its first epoch did left there (its args.json,
-    class_indices.json, tb/, tracked_run.json) holds nothing to keep, whatever ended it (a failure in the first
-    step, a refusal on bad images, a stop), so the corrected command runs where it failed; a restart
-    (--auto-resume finding no checkpoint) continues that start in its files (and its tracked run), a new run
-    replaces them (and says so). Under torchrun every rank prepares and refuses alike, before any of them writes
-    (the process group forms after prepare)."""
+    """Refuse, before any file is touched, a run that would write into another run's folder: a resume writes into
+    its own or one holding no run's files, a new run into one holding no finished epoch (a restart continues a
+    start that finished none, a new run replaces it): docs/resuming-and-failures.md, "One run per folder"."""
     if resume is not None and output_dir.resolve() == resume.parent.resolve():
         return
     found = run_files_in(output_dir)
@@ -162,8 +144,7 @@ def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> No
 
 
 def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_size: int):
-    """(the checkpoint to resume from, checked against the data, its split and the flags, or None; the output
-    folder; the checkpoint's record of its run ("args", with its "world_size" and its "tracked_run"), or None)."""
+    """(the checkpoint to resume, checked, or None; the output folder; the checkpoint's record of its run, or None)."""
     resume, output_dir = config.resume, config.output_dir
     if config.auto_resume:
         if output_dir is None:
@@ -182,9 +163,7 @@ def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_s
 
 
 def run_record(checkpoint: Path, state: dict) -> dict:
-    """The checkpoint's record of its run ("args"), its flags through the command line's checks (run.config's
-    admitted: a record edited by hand is refused in one line, as its flags typed would be), with the number of
-    processes it was saved by ("world_size") and the one its --batch-size and --lr are given for."""
+    """The checkpoint's "args" through the command line's checks, with its "world_size" and "recipe_world_size"."""
     source = f"checkpoint {checkpoint}"
     checked = Config.from_record(state["args"], source).record()
     saved = {name: checked.get(name, value) for name, value in state["args"].items()}
@@ -194,16 +173,9 @@ def run_record(checkpoint: Path, state: dict) -> dict:
 
 
 def per_process_recipe(config: Config, saved: dict | None, world_size: int, checkpoint: Path | None):
-    """(the configuration to train with on `world_size` processes, the run's batch and rate as given: `given`).
-
-    A run's --batch-size and --lr are given for the number of processes it started on (`recipe_world_size`); a
-    step averages batch x processes x --accumulate images at lr x processes x --accumulate (the linear scaling
-    rule). Resumed on another number of processes, each process takes a share of the same global batch, and
-    --lr scales with it, so that every step averages the same images at the same rate: the recipe, and with
-    SyncBatchNorm the very computation, is unchanged (test_equivalence.py's
-    test_a_run_resumed_on_another_number_of_processes_takes_the_steps_of_the_uninterrupted_run). A global batch
-    that does not split evenly is refused.
-    """
+    """(the config to train with on `world_size` processes, the run's batch and rate as given). Resumed on another
+    number of processes than its --batch-size and --lr are given for, each process takes a share of the same global
+    batch and rate, so every step is the same (docs/guarantees.md); UserError where it does not split evenly."""
     recipe_world_size = world_size if saved is None else saved.get("recipe_world_size", saved["world_size"])
     given = {"batch_size": config.batch_size, "lr": config.lr, "recipe_world_size": recipe_world_size}
     if recipe_world_size == world_size:
@@ -226,11 +198,9 @@ def per_process_recipe(config: Config, saved: dict | None, world_size: int, chec
 
 
 def inexact_resume_note(config: Config, saved: dict | None, world_size: int, choice) -> str | None:
-    """The note a resume that keeps the recipe but not the uninterrupted run's exact steps prints (None: it takes
-    them, or it is a new run): when a forward pass now takes other images than before (another number of processes,
-    another micro-batch) and the model has layers that compute per pass (dropout's masks, BatchNorm's statistics,
-    of the passes at one position on every process with --sync-bn). `config` is the per-process recipe
-    (per_process_recipe's), `saved` the checkpoint's record."""
+    """The note of a resume that keeps the recipe but not the exact steps (None: it keeps them, or a new run): a
+    forward pass now takes other images, and the model has layers that compute per pass (dropout, BatchNorm).
+    `config` is per_process_recipe's."""
     if saved is None:
         return None
     saved_world = saved["world_size"]
@@ -251,10 +221,7 @@ def inexact_resume_note(config: Config, saved: dict | None, world_size: int, cho
 
 
 def check_same_recipe(checkpoint: Path, saved: dict, config: Config) -> None:
-    """UserError naming every recipe field (Config.recipe_fields) whose value differs from the one the checkpoint's
-    run used: a resumed run must keep them, or its epochs would follow two different recipes (a new --epochs, say,
-    would bend the learning-rate schedule half way). Speed flags (--amp, --workers, --device, ...) may change: they
-    change rounding, not the recipe."""
+    """UserError naming every recipe field that differs from the checkpoint's run's (speed flags may differ)."""
     changed = [
         f"--{name.replace('_', '-')} {saved[name]} (not {getattr(config, name)})"
         for name in Config.recipe_fields()
@@ -280,23 +247,16 @@ def check_same_recipe(checkpoint: Path, saved: dict, config: Config) -> None:
 
 
 def check_same_split(checkpoint: Path, saved: dict | None, now: dict, unreadable: list[str] = ()) -> None:
-    """UserError saying which images differ from those of the checkpoint's run (`saved`, split_fingerprint's
-    record): a resumed run must train and validate on the same images, or validation images could become
-    training ones half way. Where images of the data folder cannot be read now (`unreadable`, left out of the
-    split), they are named as the cause: the files are there, damaged. A checkpoint of a run that recorded none
-    (older runs) is accepted."""
+    """UserError saying which images differ from the checkpoint's run's (`saved`, split_fingerprint's; None: older
+    run, accepted), naming images unreadable now as the cause where there are any."""
     if saved is None:
         return
     changed = []
     for subset, name in (("train", "training"), ("val", "validation")):
         then_count, now_count = saved[f"{subset}_images"], now[f"{subset}_images"]
-        if saved[f"{subset}_sha256"] == now[f"{subset}_sha256"]:
-            continue
-        changed.append(
-            f"{now_count} {name} images where the run had {then_count}"
-            if now_count != then_count
-            else f"{now_count} {name} images, not all the run's"
-        )
+        if saved[f"{subset}_sha256"] != now[f"{subset}_sha256"]:
+            had = f" where the run had {then_count}" if now_count != then_count else ", not all the run's"
+            changed.append(f"{now_count} {name} images{had}")
     if changed and unreadable:
         raise UserError(
             f"{checkpoint} was trained on other images than the data folder's readable ones now, and "

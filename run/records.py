@@ -18,8 +18,7 @@ def run_file(weights: Path, name: str) -> Path | None:
 
 
 def recorded_model(weights: Path) -> tuple[str, str] | None:
-    """The --model of the run that saved `weights`, and where it is recorded (where run_record finds the run's
-    flags); None where nothing says (or the record is damaged)."""
+    """The --model of the run that saved `weights`, and where it is recorded; None where nothing (undamaged) says."""
     args_file = run_file(weights, "args.json")
     try:
         data = safe_load(weights, "weights file") if args_file is None else {}
@@ -32,9 +31,8 @@ def recorded_model(weights: Path) -> tuple[str, str] | None:
 
 @contextlib.contextmanager
 def of_their_model(weights: Path, model: str, fix: str, recorded: tuple[str, str] | None = None):
-    """Inside, the state dict read from `weights` is loaded into `model`. If it does not fit (a UserError) and their
-    run recorded another --model (`recorded`, else recorded_model's), the error names the two instead, and what to
-    do: `fix`, with {theirs} and {model} for their model and `model`."""
+    """Inside, `weights` are loaded into `model`. Where they do not fit (a UserError) and their run recorded another
+    --model (`recorded`, else recorded_model's), the error names the two, and `fix` ({theirs}, {model}) what to do."""
     try:
         yield
     except UserError:
@@ -48,10 +46,9 @@ def of_their_model(weights: Path, model: str, fix: str, recorded: tuple[str, str
 
 
 def record_beside(weights: Path, args_file: Path | None, checkpoint: dict) -> tuple[dict, str, str | None]:
-    """The flags of the run that saved `weights`, where they were read, and the warning to give once the weights
-    have loaded (None: none): its args.json (`args_file`); else the record in `checkpoint`, where `weights` is one;
-    else the record in the checkpoint.pth of its run folder (args.json is gone: said); else none (the defaults
-    taken instead: named)."""
+    """The flags of the run that saved `weights`, where they were read, and the warning to give once the weights have
+    loaded (or None): from its args.json (`args_file`), else `checkpoint`'s record, else its run folder's checkpoint
+    (said), else none (the defaults, named)."""
     if args_file is not None:
         return read_json(args_file, "run flags file"), f"run flags file {args_file}", None
     if "args" in checkpoint:

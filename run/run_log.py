@@ -1,7 +1,5 @@
-"""What a run prints and writes: its first lines (announce), and, from the start, args.json and class_indices.json,
-then each epoch's printed line, metrics.jsonl line (run/metrics.py), TensorBoard figures (run/tensorboard.py),
-weights and checkpoint (RunLog), and, when a tracker is named, the tracked run (run/tracking.py). In DDP rank 0
-alone writes; every other rank's RunLog does nothing."""
+"""What a run prints and writes: its first lines (announce), its record files, and each epoch's line, metrics,
+TensorBoard figures, weights, checkpoint and tracked epoch (RunLog). In DDP rank 0 alone writes."""
 
 import contextlib
 import time
@@ -23,10 +21,8 @@ from utils import OutputError, describe, write_failure, write_json
 
 
 def announce(config, plan, process, choice, decoding_line: str) -> None:
-    """The run's first lines: how many processes on what, the data (`decoding_line`: whether its images were decoded
-    once into memory), auto's choice, whether a resume takes the uninterrupted run's exact steps, the learning rate,
-    the class weights and whether the model is compiled."""
-    split, compiled = plan.split, describe_compile(config)
+    """The run's first lines: its processes, data, auto's choice, a resume's note, rate, class weights, compilation."""
+    split = plan.split
     backend = f", backend {torch.distributed.get_backend()}" if process.distributed else ""
     lines = [f"{config.script}: {process.world_size} process(es) on {process.device.type}{backend}"]
     if process.device.type == "cpu" and not torch.cuda.is_available():
@@ -37,7 +33,13 @@ def announce(config, plan, process, choice, decoding_line: str) -> None:
         f"{choice.workers} loader workers per process"
     )
     lines += [decoding_line, *choice.lines, inexact_resume_note(config, plan.saved, process.world_size, choice)]
-    lines += [describe_learning_rate(config, process.world_size), describe_class_weights(config, split), compiled]
+    lines += [describe_learning_rate(config, process.world_size), describe_class_weights(config, split)]
+    lines.append(  # auto never compiles, as measured (docs/performance.md, "Compiled")
+        "Compile: on (--compile): the first steps compile the model, the later ones run compiled"
+        if config.compile
+        else "Compile: off (auto never compiles: measured, a compilation of half a minute or more repays itself only "
+        "in long GPU runs, never on a CPU; --compile to compile, docs/performance.md says when)"
+    )
     if split.unreadable:
         warn_once(f"skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
     for line in lines:
@@ -45,29 +47,15 @@ def announce(config, plan, process, choice, decoding_line: str) -> None:
             print_once(line)
 
 
-def describe_compile(config) -> str:
-    """Whether the model is compiled, and why: auto never compiles, as measured (docs/performance.md, "Compiled")."""
-    if config.compile:
-        return "Compile: on (--compile): the first steps compile the model, the later ones run compiled"
-    return (
-        "Compile: off (auto never compiles: measured, a compilation of half a minute or more repays itself only in "
-        "long GPU runs, never on a CPU; --compile to compile, docs/performance.md says when)"
-    )
-
-
 class RunLog:
-    """A run's log files and weights in `plan.output_dir`, opened for the epochs from `start_epoch` on (a resumed
-    run keeps the lines of the epochs before it and drops any later ones, which it trains again), and the best
-    validation accuracy so far (`best_acc`), which each epoch brings up to date. Disabled (on every rank but 0 in
-    DDP), it writes nothing."""
+    """A run's files in `plan.output_dir` for the epochs from `start_epoch` on (later lines, trained again, are
+    dropped), and the best accuracy so far. Disabled (every rank but 0 in DDP), it writes nothing."""
 
     def __init__(self, config, plan, process, choice, preview_set, start_epoch, best_acc, enabled=True):
         self.enabled, self.output_dir, self.classes = enabled, plan.output_dir, plan.split.classes
         self.choice, self.world_size, self.save_every = choice, process.world_size, config.save_every
-        self.device, self.best_acc = process.device, best_acc
-        self.checkpoint = plan.output_dir / CHECKPOINT_NAME
+        self.best_acc, self.checkpoint = best_acc, plan.output_dir / CHECKPOINT_NAME
         self.writer, self.writing = EpochWriter(), -1  # the epoch whose files are being written in the background
-        # The run's record (args.json, and each checkpoint's "args"): its flags and what was decided from them.
         self.record = config.record(
             data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=plan.output_dir,
             world_size=process.world_size, device=str(process.device), channels_last=choice.channels_last,
@@ -91,17 +79,13 @@ class RunLog:
             self.tracking.start(logged, start_epoch)
 
     def training_state(self, epoch: int, model, training) -> dict:
-        """The checkpoint of this run after `epoch`: `model` (without its wrappers) and what `training` steps; the
-        tracked run's entry is added where it is written (self.tracking.checkpoint_entry())."""
+        """The checkpoint after `epoch` of `model` (unwrapped) and `training` (its tracked run added later)."""
         return training_state(epoch, model, training, self.best_acc, self.classes, self.world_size, self.record)
 
     def epoch(self, metrics: dict, model, training, best, best_acc: float) -> None:
-        """Everything an epoch leaves: its printed line now; then, written in the background while the next epoch
-        trains (multi_train_utils/epoch_writer.py), its TensorBoard scalars and prediction grid, its metrics.jsonl
-        line, its weights (and `best`'s, the model or its average, when it improved on the best accuracy), then the
-        checkpoint of `model` and `training`, from one copy of them taken now; the tracker records the epoch once
-        they are on disk. The line and metrics say how long the loop was held: logging (the model's predictions
-        of TensorBoard's preview images) and saving (waiting for the last epoch's write, taking the copy)."""
+        """Everything an epoch leaves: its line now; its files, from a copy taken now, in the background while the next
+        epoch trains (multi_train_utils/epoch_writer.py), `best` (the network that improved, or None) as best.pth;
+        then the tracked epoch. Times the loop's holds for it: logging (the preview's predictions) and saving."""
         epoch, self.best_acc = metrics["epoch"], best_acc
         started = time.perf_counter()
         self.wait_for_writes()  # the last epoch's files, written meanwhile: a failure to write them stops here
@@ -131,8 +115,7 @@ class RunLog:
         self.writer.write(write, after=lambda: self.tracking.epoch(line))  # the tracker: once it is on disk
 
     def wait_for_writes(self) -> None:
-        """Until the epoch's files being written in the background are on disk (before a stop's checkpoint, at the
-        end, at the next epoch's end); a failure to write them stops the run here, in one line."""
+        """Wait until the epoch's files being written are on disk; a failure to write them stops the run here."""
         try:
             self.writer.wait()
         except OutputError as error:
@@ -146,10 +129,8 @@ class RunLog:
 
     @contextlib.contextmanager
     def ending(self):
-        """Around the epochs: marks the tracked run KILLED when a stop signal (or Ctrl-C) ends them, FAILED when an
-        exception does; and however they end, waits for the epoch's files being written in the background (a
-        failure to write them raised in their place when the epochs ended well, left unsaid under another
-        exception: that one's traceback is the story)."""
+        """Around the epochs: marks how the tracked run ends, and waits for the files being written (their failure
+        raised only where the epochs ended well: another exception's traceback is the story)."""
         with self.tracking.marks_how_the_run_ends():
             try:
                 yield
@@ -161,7 +142,7 @@ class RunLog:
 
     def done(self, best_acc: float) -> None:
         if self.enabled:
-            self.board.close()  # (every epoch's files and events are written: the epochs' ending waited for them)
+            self.board.close()
             self.tracking.end("FINISHED")
             print(f"Done: best val acc {best_acc:.3f}; weights in {self.output_dir / 'weights'}", flush=True)
 

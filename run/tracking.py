@@ -1,20 +1,6 @@
-"""Experiment tracking with MLflow (docs/tracking.md): rank 0 logs a run to one tracked run, the same through every
-stop, restart and resume; off unless --tracking-uri or MLflow's own MLFLOW_TRACKING_URI names a tracker.
-
-What it logs: the recipe as parameters; the speed and place flags (with what auto chose), the machine, torch's
-version and the project's commit as tags; each epoch's numbers from metrics.jsonl with the epoch as the step;
-args.json and the training curves as artifacts, and weights/best.pth with --track-weights.
-
-The tracked run's id is kept in the run's folder (tracked_run.json, written as soon as the run is opened) and in
-every checkpoint ("tracked_run"), so a resume, a restart before the first checkpoint and a resume into another
-folder continue it. An epoch is logged only once its checkpoint is saved: an epoch trained again (after a stop
-in its middle, or a crash before its checkpoint) was never logged, so no epoch is logged twice. A start logs the
-finished epochs the tracker lacks (those a failing tracker missed), read from metrics.jsonl and checked against
-the tracker's own history.
-
-Tracking never costs a run and never changes what is trained: every call to the tracker runs in one background
-thread, in order, each bounded by MLflow's HTTP timeout and retries (MLFLOW_SETTINGS); the training loop only
-queues them. The first call that fails gives one warning, and the tracker is left alone for the rest of the run.
+"""Experiment tracking with MLflow: rank 0 logs a run to one tracked run, the same through every stop, restart and
+resume; off unless --tracking-uri or MLFLOW_TRACKING_URI names a tracker. Every call to the tracker runs in one
+background thread, so a failing tracker costs the run one warning and nothing else (docs/tracking.md).
 """
 
 import contextlib
@@ -37,12 +23,8 @@ from utils import UserError, in_brief, warn, write_json
 
 TRACKED_RUN_NAME = "tracked_run.json"  # in a run's folder: {"tracking_uri": ..., "run_id": ...}
 EXPERIMENT = "flowers"  # the experiment a run is tracked in, unless MLFLOW_EXPERIMENT_NAME names another
-# MLflow's settings in this process, unless the environment sets them: a request waits at most 10 s for an
-# answer and is tried 3 times (0 s, then 2 s apart, with up to 1 s of jitter), so a tracker that does not answer
-# is given up within about 35 s; none of MLflow's own log lines among the run's (a new SQLite file's "Creating
-# initial MLflow database tables", the retries' warnings, a failed write's traceback: the run's one warning says
-# what failed); a local folder is accepted as the tracker (MLflow 3 keeps that store in maintenance mode
-# and refuses it otherwise); and no usage report sent to MLflow's makers: a run sends only what it was asked to.
+# MLflow's settings in this process, unless the environment sets them: bounded waits, none of MLflow's own log lines,
+# a folder store allowed, no telemetry (docs/tracking.md, "When the tracker fails", says why each).
 MLFLOW_SETTINGS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
@@ -51,20 +33,16 @@ MLFLOW_SETTINGS = {
     "MLFLOW_ALLOW_FILE_STORE": "true",
     "MLFLOW_DISABLE_TELEMETRY": "true",
 }
-# Tries to open a database tracker (a SQLite file, a database server), MLflow's MAX_RETRY_COUNT, which no
-# environment variable sets: MLflow's 10 wait 102 s in all (for a database server still starting), so a SQLite file
-# that cannot be opened (its folder read-only, a folder in its place) held a run's end for as long; 3 wait 0.4 s.
+# Tries to open a database tracker: MLflow's MAX_RETRY_COUNT (no variable sets it), whose 10 wait 102 s; 3 wait 0.4 s
 DATABASE_TRIES = 3
-# How long the end of a run waits for the tracker to take what is queued: at the end of training, for the
-# weights' upload too; after a stop signal or a failure, briefly (a preempted job has seconds before SIGKILL).
+# Seconds the end of a run waits for what is queued: after training (the weights' upload too), after a stop or failure
 FINISH_WAIT, STOP_WAIT = 120.0, 10.0
 PROJECT = Path(__file__).resolve().parents[1]
 
 
 class Tracking:
-    """The tracked run of the run in `plan.output_dir`, in MLflow at --tracking-uri (or MLFLOW_TRACKING_URI), from
-    start() to end(). Off (no tracker named, or `enabled` false: every rank but 0 in DDP), it does nothing but
-    keep the resumed checkpoint's entry for the next checkpoint."""
+    """The tracked run of the run in `plan.output_dir`, from start() to end(). Off (no tracker named, or `enabled`
+    false: every rank but 0 in DDP), it only keeps the resumed checkpoint's entry for the next checkpoint."""
 
     def __init__(self, config: Config, plan, record: dict, device: torch.device, enabled: bool = True):
         self.uri = (config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None) if enabled else None
@@ -78,9 +56,8 @@ class Tracking:
         self.warned = threading.Lock()  # taken by the one warning a run gives
 
     def start(self, finished: list[dict], start_epoch: int) -> None:
-        """Open the tracked run in the background: the one the checkpoint or the run's folder names, else a new
-        one; then log the `finished` epochs (metrics.jsonl's lines) it lacks. Call once the run's folder holds
-        args.json and its metrics.jsonl keeps only the epochs before `start_epoch`."""
+        """Open, in the background, the tracked run the checkpoint or the run's folder names (else a new one) and log
+        the `finished` epochs it lacks. Call once args.json is written and metrics.jsonl ends before `start_epoch`."""
         if self.uri is None:
             return
         for name, value in MLFLOW_SETTINGS.items():
@@ -93,22 +70,18 @@ class Tracking:
         self.call(self.open, known, sorted(finished, key=lambda line: line["epoch"]), start_epoch)
 
     def epoch(self, metrics: dict) -> None:
-        """Log an epoch whose checkpoint is saved (never before: an epoch trained again is then never logged
-        twice)."""
+        """Log an epoch whose checkpoint is saved (never before: an epoch trained again is never logged twice)."""
         self.call(self.log_epochs, [metrics])
 
     def checkpoint_entry(self) -> dict:
-        """What a checkpoint keeps of the tracked run ("tracked_run"), so that a resume continues it. A new tracked
-        run has its id once the tracker has made it: this waits for that, at most STOP_WAIT seconds (called where
-        the checkpoint is written, in the background but for a stop's)."""
+        """A checkpoint's "tracked_run", for a resume to continue; waits at most STOP_WAIT s for a new run's id."""
         if self.tracked_run is None and self.thread is not None:
             self.opened.wait(STOP_WAIT)
         return {"tracked_run": self.tracked_run} if self.tracked_run is not None else {}
 
     @contextlib.contextmanager
     def marks_how_the_run_ends(self):
-        """Inside, the epochs: a stop (the SystemExit of a stop signal, Ctrl-C) marks the tracked run KILLED, any
-        other exception FAILED. The end of training is end("FINISHED")."""
+        """Inside, the epochs: a stop (SystemExit, Ctrl-C) marks the tracked run KILLED, any other exception FAILED."""
         try:
             yield
         except (SystemExit, KeyboardInterrupt):
@@ -123,7 +96,7 @@ class Tracking:
         if self.thread is None:
             return
         self.call(self.close, status)
-        self.calls.put(None)  # the thread's last call
+        self.calls.put(None)
         wait = FINISH_WAIT if status == "FINISHED" else STOP_WAIT
         self.thread.join(wait)
         if self.thread.is_alive():
@@ -137,8 +110,7 @@ class Tracking:
             self.calls.put((function, args))
 
     def work(self) -> None:
-        while (queued := self.calls.get()) is not None:
-            function, args = queued
+        for function, args in iter(self.calls.get, None):  # None: the last call
             if self.failed:
                 continue
             try:
@@ -164,7 +136,7 @@ class Tracking:
         mlflow.store.db.utils.MAX_RETRY_COUNT = DATABASE_TRIES
         self.client = MlflowClient(self.uri)
         run = self.continued(known["run_id"]) if known else None
-        logged = self.logged_epochs(run.info.run_id) if run else set()
+        logged = {m.step for m in self.client.get_metric_history(run.info.run_id, "train_loss")} if run else set()
         if run is not None and max(logged, default=-1) >= start_epoch:  # a resume of an older checkpoint's copy
             print(f"note: tracked run {run.info.run_id} holds epochs from {start_epoch} on: tracking as a new run")
             run, logged = None, set()
@@ -184,8 +156,7 @@ class Tracking:
         self.log_epochs([line for line in finished if line["epoch"] not in logged])
 
     def continued(self, run_id: str):
-        """The tracked run `run_id`, or None (and a note) where this tracker has none of that id (deleted, or
-        tracked elsewhere)."""
+        """The tracked run `run_id`, or None (and a note) where this tracker has none of that id."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -201,12 +172,8 @@ class Tracking:
             return None
         return run
 
-    def logged_epochs(self, run_id: str) -> set[int]:
-        return {point.step for point in self.client.get_metric_history(run_id, "train_loss")}
-
     def experiment_id(self) -> str:
-        """The experiment's id, made if need be: with its artifacts beside a SQLite file (MLflow's default would be
-        the current folder's mlruns/)."""
+        """The experiment's id, made if need be, with its artifacts beside a SQLite file (not in the current folder)."""
         from mlflow.exceptions import MlflowException
 
         name = experiment_name()
@@ -224,8 +191,7 @@ class Tracking:
             return self.client.get_experiment_by_name(name).experiment_id
 
     def log_epochs(self, lines: list[dict]) -> None:
-        """Log the epochs of metrics.jsonl's `lines` (their numbers, and the best validation accuracy so far), and
-        the training curves of every epoch logged."""
+        """Log the epochs of metrics.jsonl's `lines`, with the best accuracy so far, and the curves of all logged."""
         from mlflow.entities import Metric
 
         if not lines:
@@ -252,8 +218,7 @@ class Tracking:
         self.client.set_terminated(self.run_id, status)
 
     def tags(self) -> dict:
-        """What the tracked run says of this start (each start replaces them): the flags that are not the recipe,
-        with what auto chose (the record's), and the machine."""
+        """This start's tags (each start replaces them): the flags that are not the recipe, and the machine."""
         plain = lambda value: json.dumps(value) if isinstance(value, dict | list) else str(value)  # noqa: E731
         tags = {name: plain(value) for name, value in self.record.items() if name not in Config.recipe_fields()}
         tags |= {
@@ -268,8 +233,7 @@ class Tracking:
         }
         if self.device.type == "cuda":
             tags["gpu"] = torch.cuda.get_device_name(self.device)
-        commit = git_commit()
-        if commit is not None:
+        if commit := git_commit():
             tags["mlflow.source.git.commit"] = commit
         return tags
 
@@ -285,21 +249,15 @@ def is_number(value) -> bool:
 def git_commit() -> str | None:
     """The project's commit, where it is a git checkout and git is installed; else None."""
     try:
-        answer = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True, timeout=10
-        )  # fmt: skip
+        answer = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return answer.stdout.strip() if answer.returncode == 0 and answer.stdout.strip() else None
 
 
 def checked_entry(entry, source: str) -> dict | None:
-    """A tracked run's entry ({"tracking_uri": ..., "run_id": ...}) from `source`, or None (with a warning when it
-    is damaged: the run is then tracked as a new one)."""
-    if entry is None:
-        return None
-    damage = misfits(entry, {"run_id": str})
-    if damage:
+    """A tracked run's entry from `source`, or None (with a warning when it is damaged)."""
+    if entry is not None and (damage := misfits(entry, {"run_id": str})):
         warn(f"{source} is damaged ({'; '.join(damage)}): tracking as a new run")
         return None
     return entry

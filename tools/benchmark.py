@@ -29,7 +29,7 @@ from tools import fresh_rows, script_rows  # noqa: E402
 from tools.compute_peak import described, measure_peaks, trained_row, training_flops_per_image, worker_phrase  # noqa: E402
 from tools.script_rows import FIXED  # noqa: E402
 from tools.startup_benchmark import image_counts, startup_benchmark  # noqa: E402
-from utils import Parser, UserError, entry_point, number, write_json  # noqa: E402
+from utils import Parser, UserError, entry_point, number, positive_int, write_json  # noqa: E402
 
 FLOWER_PHOTOS_SIZE = (320, 240)
 # benchmark.json's "kind" of row, in the order of the table
@@ -43,35 +43,28 @@ TABLE_HEADER = (
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--img-size", type=number(int, 1), default=Config.default("img_size"), help="training crop size")
-    p.add_argument("--model", type=model_name, default=Config.default("model"),
-                   help="the network every row trains, as the scripts' --model")  # fmt: skip
-    p.add_argument("--batch-size", type=number(int, 1), default=Config.default("batch_size"),
-                   help="images per step in each process")  # fmt: skip
+    p.add_argument("--img-size", type=positive_int, default=Config.default("img_size"), help="training crop size")
+    p.add_argument("--model", type=model_name, default=Config.default("model"), help="the network every row trains")
+    p.add_argument("--batch-size", type=positive_int, default=Config.default("batch_size"), help="a process's batch")
     p.add_argument("--data-path", type=Path, help="a class-per-folder dataset (default: generated 320x240 JPEGs)")
     p.add_argument("--images-per-class", type=number(int, 10), default=60, help="the generated dataset's size")
     p.add_argument("--epochs", type=number(int, 2), default=3, help="epochs per run; the first is not averaged")
-    p.add_argument("--steps", type=number(int, 1), default=20, help="timed steps of the model-only rows")
-    p.add_argument("--loader-images", type=number(int, 1), default=512, help="timed images of the loader rows")
-    p.add_argument("--profile-steps", type=number(int, 1), default=10, help="steps traced, of the second epoch")
-    p.add_argument("--nprocs", type=number(int, 1), help="DDP processes (default: GPUs visible, or 2 on the CPU)")
-    p.add_argument("--amp", choices=["auto", "off", "bf16", "fp16"], default="auto",
-                   help="precision of the auto row and the rows computing as it chose (auto: measured)")  # fmt: skip
-    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction,
-                   help="NHWC layout of the same rows (default: auto, measured)")  # fmt: skip
-    p.add_argument("--fixed", type=names_of(FIXED, "none"),
-                   help=f"fixed configurations beside auto, comma-separated, of {', '.join(FIXED)} (default: "
-                   "float32's, and bf16's where the device has bfloat16 instructions); none: no such row")  # fmt: skip
+    p.add_argument("--steps", type=positive_int, default=20, help="timed steps of the model-only rows")
+    p.add_argument("--loader-images", type=positive_int, default=512, help="timed images of the loader rows")
+    p.add_argument("--profile-steps", type=positive_int, default=10, help="steps traced, of the second epoch")
+    p.add_argument("--nprocs", type=positive_int, help="DDP processes (default: GPUs visible, or 2 on the CPU)")
+    p.add_argument("--amp", choices=["auto", "off", "bf16", "fp16"], default="auto", help="the auto rows' precision")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, help="their NHWC layout (default: auto)")
+    p.add_argument("--fixed", type=names_of(FIXED, "none"), help="configurations beside auto, comma-separated, of "
+                   f"{', '.join(FIXED)} or none (default: float32's, and bf16's where bfloat16 is native)")  # fmt: skip
     p.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
     p.add_argument("--output-dir", type=Path, default=Path("benchmark"), help="where results and runs go")
-    p.add_argument("--rows", type=names_of(KINDS, "all"), default="all",
-                   help=f"the kinds of row measured, comma-separated, of {', '.join(KINDS)} (auto always runs; "
-                   "docs/performance.md says what each measures)")  # fmt: skip
+    p.add_argument("--rows", type=names_of(KINDS, "all"), default="all", help="the kinds of row measured, "
+                   f"comma-separated, of {', '.join(KINDS)} (auto always runs; docs/performance.md)")  # fmt: skip
     p.add_argument("--skip-ddp", action="store_true", help="leave out the torchrun and spawn rows")
     p.add_argument("--skip-demo", action="store_true", help="leave out the demo's run (a minute or two on a CPU)")
-    p.add_argument("--startup-sizes", type=image_counts,
-                   help="measure start-up alone instead, on generated folders of these many images (e.g. "
-                   "1000,10000,100000): tools/startup_benchmark.py")  # fmt: skip
+    p.add_argument("--startup-sizes", type=image_counts, help="measure start-up alone, on generated folders of these "
+                   "many images (e.g. 1000,10000,100000): tools/startup_benchmark.py")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -102,7 +95,10 @@ def main(argv=None):
     gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if args.device.startswith("cuda") else None
     machine = f"{describe_cpu()}; {gpus or 'no GPU used'}"
     print(f"Machine: {machine}")
-    plan = training_plan(args.data_path, args.batch_size, args.output_dir)
+    split = read_split_data(args.data_path, verify_images=True)  # the scripts' split, unreadable images left out
+    if len(split.train_images) < args.batch_size:
+        raise UserError(f"{args.data_path}: {len(split.train_images)} training images, fewer than a batch of "
+                        f"{args.batch_size}")  # fmt: skip
     auto, choice = script_rows.auto_run(args)  # first: the rows below compute as it chose
     print(
         f"auto chose {described(choice)}, {worker_phrase(choice.workers)}; measuring took {auto['measure_seconds']} s"
@@ -119,7 +115,7 @@ def main(argv=None):
     config = parse_config(SINGLE, "", [*script_rows.settings_flags(args), "--device", args.device])
     measured_rows = itertools.chain(  # each a generator: a row is measured only when the one before is recorded
         fresh_rows.model_rows(args, config, choice, peaks, flops),
-        fresh_rows.loader_rows(args, config, plan, choice.workers),
+        fresh_rows.loader_rows(args, config, Plan(args.data_path, split, args.output_dir), choice.workers),
         fresh_rows.peer_rows(args, config, choice, peaks, flops),
         script_rows.profile_rows(args, choice),
         script_rows.script_rows(args, choice, nprocs, peaks, flops),
@@ -129,7 +125,12 @@ def main(argv=None):
         record(benchmark, measured, results)
     benchmark["complete"] = True
     write_json(results, benchmark)
-    report(benchmark, args, results, native_bf16=choice.amp == "bf16")
+    plot_benchmark(benchmark, args.output_dir / "benchmark.png")
+    rows = benchmark["rows"]
+    print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
+    print(markdown_table(rows))
+    print("\n" + "\n".join(against_targets(rows, choice.amp == "bf16") + auto_targets(rows) + predict_figures(rows)))
+    print(f"\nWrote {results} and {args.output_dir / 'benchmark.png'}")
 
 
 def settle(args) -> int:
@@ -153,8 +154,7 @@ def settle(args) -> int:
 
 
 def peaks_and_flops(args, choice: Choice) -> tuple[dict, float]:
-    """The compute peak of every precision a row may train in (a DDP run may choose another of auto's candidates),
-    and a training step's FLOPs per image."""
+    """The compute peak of every precision a row may train in (auto's candidates too), and a step's FLOPs per image."""
     device = torch.device(args.device)
     fixed = [Choice(FIXED[name][0]) for name in args.fixed]
     candidates = [Choice(amp) for amp in amp_candidates(args.amp, device)[0]]
@@ -164,14 +164,6 @@ def peaks_and_flops(args, choice: Choice) -> tuple[dict, float]:
           + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
           + f"; a training step is {flops / 1e9:.2f} GFLOP per image")  # fmt: skip
     return peaks, flops
-
-
-def training_plan(data_path: Path, batch_size: int, output_dir: Path) -> Plan:
-    """The scripts' split at their default --val-rate and --seed, unreadable images left out."""
-    split = read_split_data(data_path, verify_images=True)
-    if len(split.train_images) < batch_size:
-        raise UserError(f"{data_path}: {len(split.train_images)} training images, fewer than a batch of {batch_size}")
-    return Plan(data_path, split, output_dir)
 
 
 def new_benchmark(args, machine: str, settings: dict) -> dict:
@@ -199,16 +191,6 @@ def record(benchmark: dict, new_row: dict, path: Path) -> None:
     write_json(path, benchmark)
 
 
-def report(benchmark: dict, args, results: Path, native_bf16: bool) -> None:
-    """The chart, the whole table and the targets, at the end."""
-    rows = benchmark["rows"]
-    plot_benchmark(benchmark, args.output_dir / "benchmark.png")
-    print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
-    print(markdown_table(rows))
-    print("\n" + "\n".join(against_targets(rows, native_bf16) + auto_targets(rows) + predict_figures(rows)))
-    print(f"\nWrote {results} and {args.output_dir / 'benchmark.png'}")
-
-
 def markdown_table(rows: list[dict]) -> str:
     return "\n".join([TABLE_HEADER, *(table_line(row, first_of(rows, "baseline")) for row in rows)])
 
@@ -219,10 +201,8 @@ def table_line(row: dict, baseline: dict | None) -> str:
     peak = f"{row['peak_fraction']:.0%}" if row["peak_fraction"] is not None else "–"
     times = f"{row['img_per_sec'] / baseline['img_per_sec']:.2f}" if baseline else "–"
     memory = row.get("peak_rss_mib") or "–"  # none where the OS does not tell (Windows without psutil)
-    return (
-        f"| {row['name']} | {row['processes']} | {row['precision']} | {row['img_per_sec']:.1f} | {times} | {peak} "
-        f"| {epoch} | {first} | {memory} |"
-    )
+    return (f"| {row['name']} | {row['processes']} | {row['precision']} | {row['img_per_sec']:.1f} | {times} | {peak} "
+            f"| {epoch} | {first} | {memory} |")  # fmt: skip
 
 
 def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
@@ -231,10 +211,8 @@ def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
     loader = (rows_of(rows, "loader") or [None])[-1]  # with the training scripts' workers
     over_baseline = 3.5 if native_bf16 else 1.15  # float32 alone is capped by the machine's float32 peak
     kind = "bfloat16 native" if native_bf16 else "float32 only"
-    if loader:
-        feeds = f"loader with {worker_phrase(loader['workers'])} feeds {loader['img_per_sec']:.1f} img/s"
-    else:
-        feeds = "loader with the training scripts' workers"
+    feeds = (f"loader with {worker_phrase(loader['workers'])} feeds {loader['img_per_sec']:.1f} img/s" if loader
+             else "loader with the training scripts' workers")  # fmt: skip
     lines = [
         ratio_target("single process >= 90 % of the model-only ceiling", single, ceiling, 0.9, "{:.0%}"),
         ratio_target(f"single process >= {over_baseline}x the original's setup ({kind})", single, baseline,
@@ -264,8 +242,7 @@ def ratio_target(what: str, row: dict | None, against: dict | None, goal: float,
 
 
 def auto_targets(rows: list[dict]) -> list[str]:
-    """auto's targets: its speed against the fixed configurations, its measuring's cost, the demo's time and
-    accuracy."""
+    """auto's targets: its speed against the fixed configurations, its measuring's cost, the demo's time, accuracy."""
     auto, fixed, lines = first_of(rows, "auto"), rows_of(rows, "fixed"), []
     verdict = lambda met: "met" if met else "NOT met"  # noqa: E731
     best = max(fixed, key=lambda row: row["img_per_sec"]) if fixed else None

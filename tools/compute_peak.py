@@ -1,5 +1,4 @@
-"""A benchmark row's "% of peak": the machine's compute peak per precision, a training step's FLOPs per image, and a
-row of benchmark.json with that fraction."""
+"""A benchmark row's "% of peak": the compute peak per precision, a training step's FLOPs per image, and the row."""
 
 import time
 
@@ -23,9 +22,8 @@ def peak_name(dtype: torch.dtype | None) -> str:
 
 
 def compute_peak(dtype: torch.dtype, device: torch.device) -> float:
-    """FLOP/s of the fastest dense work in `dtype` on `device`: matrix products and, on the CPU, convolutions (MKL's
-    float32 products reach half of oneDNN's convolutions on AMD CPUs). docs/performance.md ("The benchmark") says
-    why float32 is timed in TensorFloat-32 on a GPU."""
+    """FLOP/s of the fastest dense work in `dtype` on `device`: matrix products and, on the CPU, convolutions
+    (docs/performance.md, "The benchmark", says why; and why float32 is timed in TensorFloat-32 on a GPU)."""
     on_gpu = device.type == "cuda"
     size, per_round = (8192, 10) if on_gpu else (2048, 1)
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
@@ -35,15 +33,12 @@ def compute_peak(dtype: torch.dtype, device: torch.device) -> float:
     if not on_gpu:
         images, kernels = torch.randn(16, 512, 28, 28).to(dtype), torch.randn(512, 512, 3, 3).to(dtype)
         works.append((2 * 16 * 512 * 512 * 9 * 28 * 28, lambda: torch.nn.functional.conv2d(images, kernels, padding=1)))
-    tf32 = on_gpu and dtype == torch.float32
     precision = torch.get_float32_matmul_precision()
-    if tf32:
-        torch.set_float32_matmul_precision("high")
+    torch.set_float32_matmul_precision("high" if on_gpu and dtype == torch.float32 else precision)
     try:
         return max(flops / best_of_rounds(work, device) for flops, work in works)
     finally:
-        if tf32:
-            torch.set_float32_matmul_precision(precision)
+        torch.set_float32_matmul_precision(precision)
 
 
 def best_of_rounds(work, device: torch.device, rounds: int = 6) -> float:
@@ -75,7 +70,6 @@ def row(name: str, kind: str, processes: int, precision: str, measured: dict, pe
 
 
 def trained_row(name: str, kind: str, processes: int, choice: Choice, measured: dict, peaks: dict, flops: float):
-    """A row that trained as `choice` says, against that precision's peak."""
     return row(name, kind, processes, described(choice), measured, peaks[peak_name(choice.amp_dtype)], flops)
 
 

@@ -1,6 +1,5 @@
-"""The benchmark's rows measured each in a fresh process, so that none inherits another's warm caches, memory or
-threads: model only (the ceiling), the training loader alone, and peer-style (fed as torchvision's references
-feed a GPU). Each trains the scripts' model and optimizer; only the feeding differs."""
+"""The benchmark's rows measured each in a fresh process, none inheriting another's caches, memory or threads: model
+only (the ceiling), the training loader alone, and peer-style (fed as torchvision's references feed a GPU)."""
 
 import itertools
 import math
@@ -42,13 +41,12 @@ def model_rows(args, config, choice: Choice, peaks: dict, flops: float):
 
 
 def _model_only(queue, config, choice: Choice, compiled: bool, steps: int) -> None:
-    """In a fresh process: images per second of `steps` steps over one batch already on the device, after
-    UNTIMED_STEPS; compiled, what the first step took beyond the others is compile_seconds."""
+    """In a fresh process: images per second of `steps` steps over one batch on the device, after UNTIMED_STEPS
+    (compiled, compile_seconds: what the first step took beyond the others)."""
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = single_process(config.device).device
     training = training_for(config, choice, device, classes=5, batches_per_epoch=1, compiled=compiled)
-    generator = torch.Generator().manual_seed(0)
-    shape = (config.batch_size, 3, config.img_size, config.img_size)
+    shape, generator = (config.batch_size, 3, config.img_size, config.img_size), torch.Generator().manual_seed(0)
     pixels = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)  # as a loader gives them
     batch = choice.batch_to(pixels, device), torch.randint(0, 5, (config.batch_size,))
 
@@ -79,10 +77,9 @@ def loader_rows(args, config, plan, workers: int):
     """The training loader alone, with 1 worker and with the workers auto chose for the scripts (at least 1)."""
     if "loader" not in args.rows:
         return
+    theirs = f"loader, {worker_phrase(workers)} (as the training scripts)"
     if workers == 0:
         theirs = "loader, 1 worker (the training scripts here: none, images loaded between steps)"
-    else:
-        theirs = f"loader, {worker_phrase(workers)} (as the training scripts)"
     start_method = multiprocessing.get_start_method()  # what a script's loader gets: the platform's default
     for count, name in ((1, "loader, 1 worker"), (max(1, workers), theirs)):
         measured = in_fresh_process(name, _loader, config, plan, count, args.loader_images, start_method)
@@ -104,8 +101,7 @@ def _loader(queue, config, plan, workers: int, images: int, start_method: str) -
     rounds = math.ceil(math.ceil(images / config.batch_size) / workers)
     start = time.perf_counter()
     loaded = sum(len(next(batches)[1]) for _ in range(rounds * workers))
-    seconds = time.perf_counter() - start
-    cpu = peak_memory(torch.device("cpu"))
+    seconds, cpu = time.perf_counter() - start, peak_memory(torch.device("cpu"))
     queue.put({"img_per_sec": loaded / seconds, "workers": workers, "decoded": decoded, **cpu})
 
 
@@ -125,8 +121,7 @@ def peer_rows(args, config, choice: Choice, peaks: dict, flops: float):
 
 
 def _peer(queue, config, data_path, choice: Choice, epochs: int) -> None:
-    """In a fresh process: train_one_epoch fed by a torchvision-style loader (ImageFolder, PIL, a worker per core,
-    pinned); images per second over the epochs after the first."""
+    """In a fresh process: images per second of train_one_epoch fed by a torchvision-style loader, after epoch 0."""
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = single_process(config.device).device
     augment = T.Compose([T.RandomResizedCrop(config.img_size), T.RandomHorizontalFlip(), T.ToTensor(),
@@ -147,8 +142,7 @@ def _peer(queue, config, data_path, choice: Choice, epochs: int) -> None:
 
 
 def in_fresh_process(name: str, target, *args) -> dict:
-    """What `target(queue, *args)` puts on the queue, run in a process forked from a forkserver that has imported
-    this module (and torch): no row spends seconds importing torch anew."""
+    """What `target(queue, *args)` puts on the queue, run in a process forked from a forkserver with torch imported."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         # By its name: Python 3.11's forkserver does not preload "__main__" from a script's path

@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# What a lent GPU machine runs, from the repository root with the machine's own python3 (nothing installed): the
-# steps given, each one argument split as a shell would, or DEFAULT_STEPS. docs/gpu-runs.md ("The runner") has an
-# example, what each step writes to $OUT, and a dry run on a CPU.
+# What a lent GPU machine runs with its own python3: the steps given (each one argument, split as a shell would), or
+# DEFAULT_STEPS. docs/gpu-runs.md ("The runner") has an example, what each step writes to $OUT, and a dry run.
 #   tests NAME LIMIT PYTEST_ARGS...   pytest, into $OUT/tests.log
 #   bench NAME LIMIT FLAGS...         tools/benchmark.py on the JPEGs: $OUT/benchmark_NAME.json, profile_NAME.json.gz
 #   run NAME LIMIT SCRIPT FLAGS...    a training script on the JPEG folder, timed to its end: $OUT/run_NAME.jsonl
-# Each step gets LIMIT seconds at most, within GPU_RUN_BUDGET; $OUT/summary.log gets the machine and each step's end.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -25,9 +23,7 @@ DEFAULT_STEPS=(
 )
 [ $# -gt 0 ] || set -- "${DEFAULT_STEPS[@]}"
 mkdir -p "$OUT"
-: >"$SUMMARY"
-: >"$OUT/tests.log"
-: >"$OUT/bench.log"
+for file in "$SUMMARY" "$OUT/tests.log" "$OUT/bench.log"; do : >"$file"; done
 failed=0
 
 note() { echo "[gpu_run +${SECONDS}s] $*" | tee -a "$SUMMARY"; }
@@ -41,8 +37,7 @@ ended() { # ended NAME STATUS STARTED: the step's exit status and seconds in sum
     [ "$2" = 0 ] || failed=1
 }
 limit_of() { # limit_of LIMIT: LIMIT, or what is left of the budget less 15 s, whichever is less
-    local left=$((BUDGET - SECONDS - 15))
-    echo $(($1 < left ? $1 : left))
+    local left=$((BUDGET - SECONDS - 15)); echo $(($1 < left ? $1 : left))
 }
 copy_new() { # copy_new FROM TO: FROM, if it exists and differs from TO, copied whole to TO (written beside, renamed)
     [ -f "$1" ] && ! cmp -s "$1" "$2" && cp "$1" "$OUT/.copying" && mv -f "$OUT/.copying" "$2"
@@ -57,18 +52,14 @@ run_logs() { # run_logs LOGS...: into bench.log, progress bars left out but for 
 
 # The machine; the JPEG folder is drawn meanwhile
 jpegs_log=$(mktemp)
-nice -n 10 timeout 300 "$PY" tools/make_flower_jpegs.py "$DATA" --scale "$JPEG_SCALE" >"$jpegs_log" 2>&1 &
+nice -n 10 timeout 300 "$PY" -m dataset.demo "$DATA" "$JPEG_SCALE" >"$jpegs_log" 2>&1 &
 jpegs_pid=$!
 jpegs_status=
 {
     date -u
     if command -v nvidia-smi >/dev/null; then timeout 30 nvidia-smi; else echo "nvidia-smi: not found"; fi
     timeout 60 "$PY" - <<'EOF'
-import sys
-
-import torch
-import torchvision
-
+import sys, torch, torchvision
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| torchvision", torchvision.__version__)
 print("CUDA", torch.version.cuda, "| cuDNN", torch.backends.cudnn.version(), "| GPU visible:", torch.cuda.is_available())
 if torch.cuda.is_available():
@@ -100,8 +91,7 @@ tests_step() { # tests NAME LIMIT PYTEST_ARGS...
     local before
     before=$(wc -l <"$log")
     timeout -s INT -k 15 "$limit" "${command[@]}" 2>&1 | tee -a "$log"
-    local status=$?
-    local outcome # pytest's last line
+    local status=$? outcome # outcome: pytest's last line
     outcome=$(tail -n +$((before + 1)) "$log" |
         grep -E '(passed|failed|skipped|error|deselected|no tests ran).* in [0-9.]+s' | tail -n 1)
     ended "tests $name (${outcome:-no outcome})" "$status" "$started"
@@ -121,13 +111,12 @@ bench_step() { # bench NAME LIMIT FLAGS...
     done &
     local copier=$!
     timeout -k 10 "$limit" "${command[@]}" 2>&1 | tee -a "$OUT/bench.log"
-    local status=$?
+    local status=$? rows
     touch "$dir.ended"
     wait "$copier"
     rm -f "$dir.ended"
     copy_new "$dir/benchmark.json" "$OUT/benchmark_$name.json"
     copy_new "$dir/profile_trace.json.gz" "$OUT/profile_$name.json.gz"
-    local rows
     rows=$(grep -s -c '"kind"' "$OUT/benchmark_$name.json")
     ended "bench $name (benchmark_$name.json: ${rows:-0} rows)" "$status" "$started"
     run_logs "$dir"/logs/*.log
@@ -146,8 +135,7 @@ run_step() { # run NAME LIMIT SCRIPT FLAGS...
     timeout -k 10 "$limit" "${command[@]}" 2>&1 | "$PY" -u -c 'import sys, time
 for line in sys.stdin:
     print(f"{time.time():.3f} {line}", end="")' >"$dir/log"
-    local status=${PIPESTATUS[0]}
-    local seconds
+    local status=${PIPESTATUS[0]} seconds
     seconds=$(awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $begun }")
     copy_new "$dir/run/metrics.jsonl" "$OUT/run_$name.jsonl"
     note "run $name: ${seconds} s from the command to its end; last weights file $(ls -l --time-style=+%T.%N "$dir/run/weights/last.pth" 2>/dev/null | awk '{print $6}')"
@@ -159,19 +147,10 @@ for step in "$@"; do
     eval "words=($step)" # the step's words, quotes honoured
     kind=${words[0]} name=${words[1]} asked=${words[2]}
     limit=$(limit_of "$asked")
-    if [ "$limit" -lt 30 ]; then
-        note "$kind $name: skipped, $limit s left for it"
-        failed=1
-        continue
-    fi
+    [ "$limit" -lt 30 ] && { note "$kind $name: skipped, $limit s left for it"; failed=1; continue; }
     case $kind in
-    tests) tests_step "$name" "$limit" "${words[@]:3}" ;;
-    bench) bench_step "$name" "$limit" "${words[@]:3}" ;;
-    run) run_step "$name" "$limit" "${words[@]:3}" ;;
-    *)
-        note "unknown step kind: $kind (tests, bench or run)"
-        failed=1
-        ;;
+    tests | bench | run) "${kind}_step" "$name" "$limit" "${words[@]:3}" ;;
+    *) note "unknown step kind: $kind (tests, bench or run)"; failed=1 ;;
     esac
 done
 

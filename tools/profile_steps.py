@@ -46,8 +46,7 @@ class ProfiledBatches:
 
 
 def traced(run, batches, skip: int, steps: int, device: torch.device, folder: Path, total=None) -> dict:
-    """Run the loop `run` over ProfiledBatches, tracing batches `skip` to `skip + steps - 1`; writes the trace to
-    folder/TRACE_NAME and returns its summary (summary_of)."""
+    """Run the loop `run` over ProfiledBatches, `steps` batches after `skip` traced (folder/TRACE_NAME); a summary."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     found = {}
 
@@ -99,12 +98,10 @@ def main(argv=None):
 
 
 def summary_of(events, device: torch.device) -> dict:
-    """What a profile's FunctionEvents say: the traced steps' seconds, the GPU's idle time within them (None on the
-    CPU), the time spent waiting for batches, each step's milliseconds, and the top operations."""
-    steps = sorted(
-        (e for e in events if e.name.startswith(STEP_PREFIX) and e.device_type == DeviceType.CPU),
-        key=lambda e: e.time_range.start,
-    )  # on a GPU each step is marked on its timeline too: not counted
+    """The traced steps' seconds, the GPU's idle time (None on the CPU), the waits for batches, the top operations."""
+    # (on a GPU each step is marked on its timeline too: not counted)
+    steps = [e for e in events if e.name.startswith(STEP_PREFIX) and e.device_type == DeviceType.CPU]
+    steps.sort(key=lambda e: e.time_range.start)
     if not steps:
         raise RuntimeError("the profile holds no step: did the loop run?")
     start, end = steps[0].time_range.start, max(e.time_range.end for e in steps)
@@ -115,28 +112,20 @@ def summary_of(events, device: torch.device) -> dict:
     waited = covered([(e.time_range.start, e.time_range.end) for e in waits], start, end)
     step_ms = [round(e.time_range.elapsed_us() / 1e3, 2) for e in steps]
     return {
-        "traced_steps": len(steps),
-        "device_events": len(device_events),
-        "traced_seconds": (end - start) / 1e6,
+        "traced_steps": len(steps), "device_events": len(device_events), "traced_seconds": (end - start) / 1e6,
         "device_idle_seconds": (end - start - busy) / 1e6 if on_gpu else None,
         "device_idle_fraction": (1 - busy / (end - start)) if on_gpu else None,
-        "waiting_for_batches_seconds": waited / 1e6,
-        "waiting_for_batches_fraction": waited / (end - start),
-        "step_ms": step_ms,
-        "first_step_ms": step_ms[0],
+        "waiting_for_batches_seconds": waited / 1e6, "waiting_for_batches_fraction": waited / (end - start),
+        "step_ms": step_ms, "first_step_ms": step_ms[0],
         "other_steps_median_ms": statistics.median(step_ms[1:]) if len(step_ms) > 1 else None,
         "top_operations": top_operations(events, on_gpu),
-    }
+    }  # fmt: skip
 
 
 def is_device_work(event) -> bool:
-    """A kernel, copy or memset on the GPU, not an annotation on its timeline (a step's span, the optimizer's step),
-    which spans the idle time too."""
-    return (
-        event.device_type == DeviceType.CUDA
-        and not getattr(event, "is_user_annotation", False)
-        and not (event.name.startswith(STEP_PREFIX) or "#" in event.name)
-    )
+    """A kernel, copy or memset on the GPU, not an annotation on its timeline (a step's span), which spans idle time."""
+    annotation = getattr(event, "is_user_annotation", False) or event.name.startswith(STEP_PREFIX) or "#" in event.name
+    return event.device_type == DeviceType.CUDA and not annotation
 
 
 def covered(intervals: list[tuple[float, float]], start: float, end: float) -> float:
@@ -162,10 +151,8 @@ def top_operations(events, on_gpu: bool) -> list[dict]:
         entry[1] += own
     whole = sum(us for _, us in totals.values()) or 1.0
     ranked = sorted(totals.items(), key=lambda item: item[1][1], reverse=True)[:TOP_OPERATIONS]
-    return [
-        {"name": name, "calls": calls, "ms": round(us / 1e3, 3), "share": round(us / whole, 4)}
-        for name, (calls, us) in ranked
-    ]
+    return [{"name": name, "calls": calls, "ms": round(us / 1e3, 3), "share": round(us / whole, 4)}
+            for name, (calls, us) in ranked]  # fmt: skip
 
 
 def printed(found: dict) -> str:
@@ -173,14 +160,11 @@ def printed(found: dict) -> str:
     where = "CPU operations, own time" if found["device_idle_seconds"] is None else "GPU kernels"
     lines = [f"Profile of {found['traced_steps']} steps ({found['traced_seconds']:.3f} s): {found['trace']}"]
     if found["device_idle_seconds"] is not None:
-        lines.append(
-            f"  the GPU sat idle {found['device_idle_seconds']:.3f} s of them ({found['device_idle_fraction']:.0%})"
-        )
-    lines.append(
-        f"  the training process waited for batches {found['waiting_for_batches_seconds']:.3f} s "
-        f"({found['waiting_for_batches_fraction']:.0%}); the first step (an epoch's start) "
-        f"{found['first_step_ms']} ms, the others' median {found['other_steps_median_ms']} ms"
-    )
+        idle = found["device_idle_seconds"]
+        lines.append(f"  the GPU sat idle {idle:.3f} s of them ({found['device_idle_fraction']:.0%})")
+    lines.append(f"  the training process waited for batches {found['waiting_for_batches_seconds']:.3f} s "
+                 f"({found['waiting_for_batches_fraction']:.0%}); the first step (an epoch's start) "
+                 f"{found['first_step_ms']} ms, the others' median {found['other_steps_median_ms']} ms")  # fmt: skip
     lines.append(f"  top {where}:")
     for op in found["top_operations"]:
         lines.append(f"    {op['share']:6.1%} {op['ms']:10.2f} ms {op['calls']:6d} x  {op['name'][:90]}")
@@ -188,7 +172,6 @@ def printed(found: dict) -> str:
 
 
 def trace_events(path: Path) -> list[dict]:
-    """The events of a trace written by `traced`."""
     with gzip.open(path, "rt") as f:
         return json.load(f)["traceEvents"]
 

@@ -1,6 +1,5 @@
 """The benchmark's rows that run the scripts as a user does, each in a new interpreter: train_single_gpu.py (auto,
-baseline, fixed, paths, profile), the two DDP scripts, the demo and predict.py. A training row's figures are its
-run's metrics.jsonl, averaged over the epochs after the first."""
+baseline, fixed, paths, profile), the two DDP scripts, the demo and predict.py."""
 
 import json
 import os
@@ -50,7 +49,8 @@ def measuring_seconds(img_size: int, batch_size: int) -> float | None:
 
 
 def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
-    """The training scripts end to end but auto's run: baseline, fixed, paths, the DDP scripts and the demo."""
+    """The training scripts end to end but auto's run: baseline, fixed, paths (a path the script refuses is left out),
+    the DDP scripts with `nprocs` processes, as the auto row, and the demo."""
     if "baseline" in args.rows:
         original = Choice(workers=min(os.cpu_count() or 1, args.batch_size, 8))  # float32, NCHW, its num_workers
         measured = run_script(args, "baseline", SINGLE, [*choice_flags(original), "--no-persistent-workers"])
@@ -60,19 +60,7 @@ def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
         fixed = replace(choice, amp=amp, channels_last=channels_last, micro_batch=None)  # fed as auto chose
         measured = run_script(args, f"fixed-{name}", SINGLE, choice_flags(fixed))
         yield trained_row(f"fixed: {fixed.name()}", "fixed", 1, fixed, measured, peaks, flops)
-    yield from path_rows(args, choice, peaks, flops)
-    yield from ddp_rows(args, nprocs, peaks, flops)
-    if "demo" in args.rows:
-        demo = run_script(args, "demo", SINGLE, [], demo=True)
-        demo["measure_seconds"] = measuring_seconds(DEMO_DEFAULTS["img_size"], DEMO_DEFAULTS["batch_size"])
-        yield row("train_single_gpu.py --demo, its first run", "demo", 1, described(chosen(args, "demo")), demo)
-
-
-def path_rows(args, choice: Choice, peaks: dict, flops: float):
-    """train_single_gpu.py with its batches made where auto did not choose; a path the script refuses is left out."""
-    if "paths" not in args.rows:
-        return
-    for path in {"device", "loader"} - {choice.batches}:
+    for path in {"device", "loader"} - {choice.batches} if "paths" in args.rows else ():  # where auto did not choose
         flags = ["--amp", choice.amp, *layout_flags(choice.channels_last), "--batches", path]
         try:
             measured = run_script(args, f"batches-{path}", SINGLE, flags)
@@ -81,10 +69,6 @@ def path_rows(args, choice: Choice, peaks: dict, flops: float):
             continue
         name = f"train_single_gpu.py, --batches {path}"
         yield trained_row(name, "paths", 1, chosen(args, f"batches-{path}"), measured, peaks, flops)
-
-
-def ddp_rows(args, nprocs: int, peaks: dict, flops: float):
-    """The two DDP launch scripts with `nprocs` processes, as the auto row."""
     ours = ["--amp", args.amp, *layout_flags(args.channels_last)]
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
     launches = {
@@ -95,11 +79,14 @@ def ddp_rows(args, nprocs: int, peaks: dict, flops: float):
         if kind in args.rows:
             measured = run_script(args, kind, script, flags)
             yield trained_row(f"{kind}, {nprocs} processes", kind, nprocs, chosen(args, kind), measured, peaks, flops)
+    if "demo" in args.rows:
+        demo = run_script(args, "demo", SINGLE, [], demo=True)
+        demo["measure_seconds"] = measuring_seconds(DEMO_DEFAULTS["img_size"], DEMO_DEFAULTS["batch_size"])
+        yield row("train_single_gpu.py --demo, its first run", "demo", 1, described(chosen(args, "demo")), demo)
 
 
 def profile_rows(args, choice: Choice):
-    """train_single_gpu.py as auto chose, its second epoch's first --profile-steps steps traced; the row's img/s is
-    the traced steps' (the profiler's cost included)."""
+    """train_single_gpu.py as auto chose, its second epoch's first --profile-steps steps traced (img/s: theirs)."""
     if "profile" not in args.rows:
         return
     tracer = [str(ROOT / "tools" / "profile_steps.py"), "--epoch", "1", "--steps", str(args.profile_steps)]
@@ -109,13 +96,11 @@ def profile_rows(args, choice: Choice):
     print(printed(found), flush=True)
     found["img_per_sec"] = found["traced_steps"] * args.batch_size / found["traced_seconds"]
     feeding = "batches made on the device" if choice.on_device else worker_phrase(choice.workers)
-    memory = {key: value for key, value in measured.items() if key.startswith("peak_")}
-    found |= {"workers": choice.workers, **memory}
+    found |= {"workers": choice.workers, **{key: value for key, value in measured.items() if key.startswith("peak_")}}
     yield row(f"profile: train_one_epoch, {feeding}", "profile", 1, described(choice), found)
 
 
 def choice_flags(choice: Choice) -> list[str]:
-    """The scripts' flags that train as `choice` says."""
     flags = ["--amp", choice.amp, *layout_flags(choice.channels_last), "--workers", str(choice.workers)]
     flags += ["--batches", choice.batches]
     return flags + (["--micro-batch", str(choice.micro_batch)] if choice.micro_batch else [])
@@ -138,7 +123,7 @@ def run_script(args, name: str, script: list, flags: list, demo: bool = False) -
     command += [*flags, "--demo"] if demo else flags
     wall = logged_run(args, name, command)
     epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steady = epochs[1:]
+    steady = epochs[1:]  # averaged over the epochs after the first
     return {
         "img_per_sec": sum(m["train_images_per_sec"] for m in steady) / len(steady),
         "epoch_seconds": sum(m["epoch_seconds"] for m in steady) / len(steady),
@@ -164,8 +149,7 @@ def logged_run(args, name: str, command: list) -> float:
 
 
 def predict_rows(args, nprocs: int, measured: list[dict]):
-    """predict.py with auto's weights, in one process and in `nprocs` under torchrun, beside the model-only ceiling
-    of the rows `measured` so far."""
+    """predict.py with auto's weights, in one process and in `nprocs` under torchrun, beside the model-only ceiling."""
     if "predict" not in args.rows:
         return
     ceiling = next((row["img_per_sec"] for row in measured if row["kind"] == "model-only"), None)

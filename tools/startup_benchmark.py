@@ -37,8 +37,8 @@ CLASSES = 10
 FIRST_STEP = b"[epoch 0] train"  # train_one_epoch's progress bar, shown as its loop asks for the first batch
 # Every choice given, so that auto does not measure: its measuring is a cost of the machine, not of the data
 IMG_SIZE = 32
-FLAGS = ["--img-size", str(IMG_SIZE), "--batch-size", "8", "--epochs", "1", "--workers", "0", "--amp", "off"]
-FLAGS += ["--no-channels-last"]
+FLAGS = ["--img-size", str(IMG_SIZE), "--batch-size", "8", "--epochs", "1", "--workers", "0", "--amp", "off",
+         "--no-channels-last"]  # fmt: skip
 COLUMNS = {  # a row's key: the table's heading, the figure's format
     "images": ("images", ","), "first_step_cold_s": ("to first step, cold (s)", ".1f"),
     "first_step_warm_s": ("warm (s)", ".1f"), "listing_s": ("listing (s)", ".2f"),
@@ -71,9 +71,9 @@ def startup_benchmark(counts: list[int], output_dir: Path, device: str) -> None:
     for count in counts:
         data = small_images(DATA / f"{count}_images_32px", count)
         row = {"images": count, **startup_parts(data), **decoding_in_two_processes(data)}
-        command = [sys.executable, str(ROOT / "train_single_gpu.py"), "--data-path", str(data), *FLAGS]
         run = output_dir / "startup-runs" / str(count)
-        command += ["--device", device, "--output-dir", str(run)]
+        command = [sys.executable, str(ROOT / "train_single_gpu.py"), "--data-path", str(data), *FLAGS,
+                   "--device", device, "--output-dir", str(run)]  # fmt: skip
         row["first_step_cold_s"] = seconds_to_first_step(command, output_dir / "logs" / f"startup-{count}-cold.log")
         written = (run / CHECKED_IMAGES).stat().st_mtime_ns
         command.append("--auto-resume")
@@ -132,9 +132,8 @@ def decoding_in_two_processes(data: Path, img_size: int = IMG_SIZE) -> dict:
     """Seconds until two processes of a gloo group both hold every image of `data` decoded, each decoding all of them
     on its half of the cores (decode_here), and the first decoding them for both (decode_once)."""
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(
-            decode_in_rank, args=(find_free_port(), data, img_size, Path(folder)), nprocs=2, start_method="spawn"
-        )
+        where = (find_free_port(), data, img_size, Path(folder))
+        mp.start_processes(decode_in_rank, args=where, nprocs=2, start_method="spawn")
         seconds = [json.loads((Path(folder) / f"{rank}.json").read_text()) for rank in range(2)]
     return {key: max(rank[key] for rank in seconds) for key in ("decode_2_each_s", "decode_2_shared_s")}
 
@@ -161,10 +160,8 @@ def decode_in_rank(rank: int, port: int, data: Path, img_size: int, folder: Path
 
 
 def training_sets(split, img_size: int) -> list[MyDataSet]:
-    return [
-        MyDataSet(split.train_images, split.train_labels, train_transform(img_size)),
-        MyDataSet(split.val_images, split.val_labels, val_transform(img_size)),
-    ]
+    return [MyDataSet(split.train_images, split.train_labels, train_transform(img_size)),
+            MyDataSet(split.val_images, split.val_labels, val_transform(img_size))]  # fmt: skip
 
 
 def timed(function, *args, **kwargs):
@@ -177,19 +174,16 @@ def seconds_to_first_step(command: list[str], log: Path) -> float:
     """Seconds from starting `command` until it prints FIRST_STEP; then it is killed, its output in `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     output = b""
     try:
         while FIRST_STEP not in output:
             chunk = process.stdout.read1(65536)
             if not chunk:
                 process.wait()
-                raise UserError(
-                    f"{command[1]} ended before its first step (exit status {process.returncode}); see {log}"
-                )
+                status = process.returncode
+                raise UserError(f"{command[1]} ended before its first step (exit status {status}); see {log}")
             output += chunk
         return time.perf_counter() - start
     finally:
