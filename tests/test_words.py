@@ -168,6 +168,28 @@ def test_every_file_test_function_and_flag_a_page_names_exists(page):
     assert not missing, f"{page} names what does not exist: {missing}"
 
 
+def stale_paths(page: Path) -> list[str]:
+    """The links of a page (README.md, docs/) to files that do not exist, and the project files it names anywhere,
+    backticked or not (a .py, .sh or .sbatch path), that do not exist."""
+    text = page.read_text()
+    links = [target for target in re.findall(r"\]\(([^)#\s]+)", text) if not re.match(r"[a-z]+:", target)]
+    missing = [target for target in links if not (page.parent / target).exists()]
+    named = re.findall(r"(?<![\w/.:-])((?:[\w-]+/)*[\w-]+\.(?:py|sh|sbatch))\b", re.sub(r"https?://\S+", "", text))
+    return missing + [name for name in named if not file_exists(name, page)]
+
+
+@pytest.mark.parametrize("page", DOCS)
+def test_no_page_names_a_file_or_links_a_page_that_does_not_exist(page):
+    assert stale_paths(ROOT / page if page == "README.md" else ROOT / "docs" / page) == []
+
+
+def test_the_stale_path_check_finds_a_moved_file_and_a_broken_link(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("See run/autotune.py and [the map](code-map.md), [flags](flags.md); `train_single_gpu.py`.\n")
+    (tmp_path / "flags.md").write_text("")
+    assert stale_paths(page) == ["code-map.md", "run/autotune.py"]
+
+
 def comments_and_docstrings(path: Path) -> list[str]:
     found = []
     for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
