@@ -253,6 +253,16 @@ BREAKS = [
      "            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()\n",
      "            path.name == 'tracked_run.json' or (shutil.rmtree(path) if path.is_dir() else path.unlink())\n",
      TK + "test_a_run_refused_in_its_first_epoch_leaves_its_folder_to_the_corrected_command_tracked_anew"),
+    # The code's shape (tests/test_layers.py, tests/test_readable.py, tests/test_words.py; issue 56)
+    ("19a an import that runs back up", "dataset/images.py", "import math\n",
+     "import math\n\nimport run.config  # noqa: F401\n", "tests/test_layers.py::test_every_import_points_down_a_layer"),
+    ("19b a function of 9 parameters", "my_dataset.py",
+     "def loaders(train_set, val_set, batches, val_sampler, config, choice, device: torch.device):",
+     "def loaders(train_set, val_set, batches, val_sampler, config, choice, device: torch.device, spare=None):",
+     "tests/test_readable.py::test_no_function_or_module_is_oversized"),
+    ("19c a page naming a file that moved", "docs/code-map.md", "`python tools/code_size.py` counts",
+     "`python tools/code_size.py` (once run/code_size.py) counts",
+     "tests/test_words.py::test_no_page_names_a_file_or_links_a_page_that_does_not_exist"),
     # Batches made on the device (dataset/on_device.py, issue 43)
     ("16a a crop box drawn from another seed", "dataset/on_device.py",
      "np.array([seed for _, seed in pairs], dtype=np.uint64)",

@@ -218,14 +218,9 @@ def torchrun_run(tiny_data, shared_tmp):
     its start-up check decoded is logged in decodes/ beside the run folder (DECODE_LOG: one file per process)."""
 
     def make(folder):
-        out, decodes = folder / "run", folder / "decodes"
-        decodes.mkdir(parents=True)
-        result = run_script(
-            "train_multi_gpu_using_launch.py", "--data-path", tiny_data, "--output-dir", out, *DDP_FLAGS,
-            launcher=torchrun(2), env=fault_env() | {"DECODE_LOG": str(decodes)},
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        return result, out
+        (folder / "decodes").mkdir(parents=True)
+        env = fault_env() | {"DECODE_LOG": str(folder / "decodes")}
+        return finished_run(folder, "train_multi_gpu_using_launch.py", tiny_data, launcher=torchrun(2), env=env)
 
     return made_once(shared_tmp, "torchrun_run", make)
 
@@ -271,15 +266,10 @@ def spawn_run(tiny_data, shared_tmp, taken_port):
     master_port.txt beside the run folder (the xdist worker that made the run held it; the others hold others)."""
 
     def make(folder):
-        out = folder / "run"
         folder.mkdir(parents=True)
         (folder / "master_port.txt").write_text(str(taken_port))
-        result = run_script(
-            "train_multi_gpu_using_spawn.py", "--data-path", tiny_data, "--output-dir", out, "--world-size", "2",
-            *DDP_FLAGS, env={"MASTER_PORT": str(taken_port)},
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        return result, out
+        env = {"MASTER_PORT": str(taken_port)}
+        return finished_run(folder, "train_multi_gpu_using_spawn.py", tiny_data, "--world-size", "2", env=env)
 
     return made_once(shared_tmp, "spawn_run", make)
 
@@ -315,6 +305,15 @@ def stopped_run(tiny_data, shared_tmp):
         return out
 
     return made_once(shared_tmp, "stopped_run", make)
+
+
+def finished_run(folder: Path, script: str, data: Path, *flags, **options):
+    """A DDP script on `data` with DDP_FLAGS and `flags` into folder/run (run_script's `options`), checked to end
+    well: (the finished process, the run folder)."""
+    out = folder / "run"
+    result = run_script(script, "--data-path", data, "--output-dir", out, *DDP_FLAGS, *flags, **options)
+    assert result.returncode == 0, result.stderr
+    return result, out
 
 
 def copy_run(run: Path, tmp_path: Path) -> Path:

@@ -7,27 +7,16 @@ import signal
 import subprocess
 import sys
 
+import conftest as runs
 import pytest
 import torch
-from conftest import (
-    DDP_FLAGS,
-    REFERENCE_FLAGS,
-    ROOT,
-    copy_run,
-    fault_env,
-    final_weights,
-    metrics_without_timings,
-    processes_with,
-    run_here,
-    run_script,
-    torchrun,
-)
+from conftest import DDP_FLAGS, REFERENCE_FLAGS, ROOT
 
 from multi_train_utils.checkpoint import load_checkpoint
 
 SCRIPTS = {
     "one process": ("train_single_gpu.py", (), ()),
-    "torchrun": ("train_multi_gpu_using_launch.py", torchrun(2), ()),
+    "torchrun": ("train_multi_gpu_using_launch.py", runs.torchrun(2), ()),
     "spawn": ("train_multi_gpu_using_spawn.py", (), ("--world-size", "2")),
 }
 
@@ -36,9 +25,9 @@ def stop_and_resume(script: str, flags: tuple, out, fault: str) -> tuple:
     """Run `script` with the stop fault (tests/fault_injection), then the same command with --auto-resume: (the
     stopped run, its checkpoint, the resumed run)."""
     name, launcher, script_flags = SCRIPTS[script]
-    env = fault_env(fault)
-    stopped = run_script(name, *flags, *script_flags, "--output-dir", out, launcher=launcher, env=env, timeout=240)
-    assert not processes_with(env["RUN_MARKER"])  # every rank and loader exited
+    env = runs.fault_env(fault)
+    stopped = runs.run_script(name, *flags, *script_flags, "--output-dir", out, launcher=launcher, env=env, timeout=240)
+    assert not runs.processes_with(env["RUN_MARKER"])  # every rank and loader exited
     return resume(script, flags, out, stopped)
 
 
@@ -50,7 +39,7 @@ def resume(script: str, flags: tuple, out, stopped) -> tuple:
     assert not list(out.glob(".*.tmp"))
     command = (name, *flags, *script_flags, "--output-dir", out, "--auto-resume")
     # one process resumes in this one (the stop needed a process of its own; its resumption does not)
-    resumed = run_here(*command) if script == "one process" else run_script(*command, launcher=launcher)
+    resumed = runs.run_here(*command) if script == "one process" else runs.run_script(*command, launcher=launcher)
     assert resumed.returncode == 0, resumed.stderr
     return stopped, state, resumed
 
@@ -65,9 +54,9 @@ def test_sigusr1_stops_one_process_at_a_step_and_the_resumed_run_ends_bitwise_as
     assert "stopped by SIGUSR1 at epoch 1, step 4: saved in" in stopped.stdout
     assert state["epoch"] == 0 and state["midway"]["step"] == 4
     assert "epoch 1, step 4 of 4" in resumed.stdout
-    expected, weights = final_weights(reference_run), final_weights(tmp_path / "run")
+    expected, weights = runs.final_weights(reference_run), runs.final_weights(tmp_path / "run")
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
-    assert metrics_without_timings(tmp_path / "run") == metrics_without_timings(reference_run)
+    assert runs.metrics_without_timings(tmp_path / "run") == runs.metrics_without_timings(reference_run)
 
 
 def fault_events(output: str) -> list[str]:
@@ -88,9 +77,9 @@ def test_a_stop_during_an_epochs_write_waits_for_it_and_resumes_bitwise(tiny_dat
     assert sent < events.index("fault: wrote checkpoint.pth")  # epoch 0's files not all written at the signal
     assert events[saved - 1] == "fault: wrote checkpoint.pth"  # and all of them before the stop's checkpoint
     assert state["epoch"] == 0 and state["midway"]["step"] == 4  # the stop's, not epoch 0's written after it
-    expected, weights = final_weights(reference_run), final_weights(tmp_path / "run")
+    expected, weights = runs.final_weights(reference_run), runs.final_weights(tmp_path / "run")
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
-    assert metrics_without_timings(tmp_path / "run") == metrics_without_timings(reference_run)
+    assert runs.metrics_without_timings(tmp_path / "run") == runs.metrics_without_timings(reference_run)
 
 
 def test_kill_9_during_an_epochs_write_leaves_the_last_files_whole_and_the_resumed_run_ends_bitwise(
@@ -101,17 +90,19 @@ def test_kill_9_during_an_epochs_write_leaves_the_last_files_whole_and_the_resum
     epoch 1 written by then); the run resumed from them ends bitwise as the uninterrupted one."""
     out = tmp_path / "run"
     flags = ("--data-path", tiny_data, *REFERENCE_FLAGS, "--output-dir", out)
-    killed = run_script("train_single_gpu.py", *flags, env=fault_env("slowsave:1,pause:2:0.5,kill:2"), timeout=240)
+    killed = runs.run_script(
+        "train_single_gpu.py", *flags, env=runs.fault_env("slowsave:1,pause:2:0.5,kill:2"), timeout=240
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     events = fault_events(killed.stdout)
     assert events[-1].startswith("fault: writing"), events  # a write in flight at the kill
     state = load_checkpoint(out / "checkpoint.pth")  # whole: epoch 0's, or epoch 1's if it was written in time
     assert state["epoch"] in (0, 1) and torch.load(out / "weights" / "last.pth", weights_only=True)
-    resumed = run_here("train_single_gpu.py", *flags, "--auto-resume")
+    resumed = runs.run_here("train_single_gpu.py", *flags, "--auto-resume")
     assert resumed.returncode == 0, resumed.stderr
-    expected, weights = final_weights(reference_run), final_weights(out)
+    expected, weights = runs.final_weights(reference_run), runs.final_weights(out)
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
-    assert metrics_without_timings(out) == metrics_without_timings(reference_run)
+    assert runs.metrics_without_timings(out) == runs.metrics_without_timings(reference_run)
 
 
 @pytest.mark.parametrize("script, uninterrupted", [("torchrun", "torchrun_run"), ("spawn", "spawn_run")])
@@ -122,7 +113,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_resumed_ru
     flags = ("--data-path", tiny_data, *DDP_FLAGS)  # 2 epochs of 3 steps, as the uninterrupted run
     if script == "torchrun":  # the suite's torchrun run stopped so (tracked, for test_tracking), resumed untracked
         stopped, _, as_stopped, _ = request.getfixturevalue("stopped_torchrun_run")
-        stopped, state, resumed = resume(script, flags, copy_run(as_stopped, tmp_path), stopped)
+        stopped, state, resumed = resume(script, flags, runs.copy_run(as_stopped, tmp_path), stopped)
     else:
         stopped, state, resumed = stop_and_resume(script, flags, tmp_path / "run", "stop:1:1:TERM")
     assert stopped.returncode != 0
@@ -131,9 +122,9 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_resumed_ru
     if script == "spawn":
         assert stopped.returncode == 128 + signal.SIGTERM and "error:" not in stopped.stderr
     reference = request.getfixturevalue(uninterrupted)[1]
-    expected, weights = final_weights(reference), final_weights(tmp_path / "run")
+    expected, weights = runs.final_weights(reference), runs.final_weights(tmp_path / "run")
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
-    assert metrics_without_timings(tmp_path / "run") == metrics_without_timings(reference)
+    assert runs.metrics_without_timings(tmp_path / "run") == runs.metrics_without_timings(reference)
 
 
 def test_a_process_whose_loader_workers_were_never_shut_down_exits_at_once(tmp_path):
