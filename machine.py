@@ -120,38 +120,13 @@ def physical_memory() -> int | None:
     return None
 
 
-def memory_limit(root: Path = Path("/")) -> tuple[int | None, str]:
-    """(the memory this process may use, in bytes; where that number comes from, a phrase for a message): the
-    smallest of its cgroups' limits (and those above), SLURM's allocation on this node and the machine's memory."""
-    limits = []
-    for version, mount, cgroup in cgroups(root, "memory"):
-        for folder in folders_above(mount, cgroup):
-            path = folder / ("memory.max" if version == 2 else "memory.limit_in_bytes")
-            text = read_or_empty(path)
-            if text.isdigit() and 0 < int(text) < 2**62:  # cgroup v1 writes "no limit" as a number near 2**63
-                limits.append((int(text), f"the cgroup limit in {path}"))
-    limits += slurm_memory_limits(os.environ)
-    physical = physical_memory()
-    limits += [(physical, "the machine's memory")] if physical else []
-    return min(limits, key=lambda limit: limit[0], default=(None, "this system does not say its memory"))
+ON_WINDOWS = os.name == "nt"
 
 
-def slurm_memory_limits(env) -> list[tuple[int, str]]:
-    """SLURM's allocation of memory on this node, in bytes, with its variables: --mem, or --mem-per-cpu times the
-    CPUs on this node (0, the whole node's, is no limit); none outside SLURM."""
-    per_node, per_cpu = whole_number(env, "SLURM_MEM_PER_NODE"), whole_number(env, "SLURM_MEM_PER_CPU")
-    if per_node:
-        return [(per_node * 2**20, "SLURM's --mem, SLURM_MEM_PER_NODE")]
-    cpus_variable = "SLURM_CPUS_ON_NODE" if whole_number(env, "SLURM_CPUS_ON_NODE") else "SLURM_CPUS_PER_TASK"
-    cpus = whole_number(env, cpus_variable)
-    if per_cpu and cpus:
-        return [(per_cpu * cpus * 2**20, f"SLURM's --mem-per-cpu x {cpus} CPUs, SLURM_MEM_PER_CPU x {cpus_variable}")]
-    return []
-
-
-def whole_number(env, name: str) -> int | None:
-    text = env.get(name, "").strip()
-    return int(text) if text.isdigit() else None
+def cache_folder() -> Path:
+    """This project's folder in the user's cache (Windows: %LOCALAPPDATA%; elsewhere $XDG_CACHE_HOME or ~/.cache)."""
+    variable, default = ("LOCALAPPDATA", Path("AppData", "Local")) if ON_WINDOWS else ("XDG_CACHE_HOME", Path(".cache"))
+    return Path(os.environ.get(variable) or Path.home() / default) / "flower-training"
 
 
 def cpu_name() -> str:

@@ -10,10 +10,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from dataset.folders import DataSplit
 from dataset.images import SKIPPED, load_rgb
-from dataset.in_memory import DecodedImages, decode_once
 from dataset.on_device import TrainingBatches, ValidationBatches
+from dataset.store import DecodedImages, Store
 from dataset.transforms import train_transform, val_transform
 from utils import STOP_SIGNALS
 
@@ -49,13 +48,19 @@ class MyDataSet(Dataset):
         return (image if self.transform is None else self.transform(image)), label
 
 
-def datasets(split: DataSplit, config, process=None) -> tuple[MyDataSet, MyDataSet, str]:
-    """A split's training and validation sets, decoded once where --image-cache-gb allows, and the line saying so."""
+def datasets(plan, config) -> tuple[MyDataSet, MyDataSet, str]:
+    """The plan's training and validation sets, their images mapped from its image store where it has one, and the
+    line saying where they come from."""
+    split = plan.split
     augment = train_transform(config.img_size, auto_augment=config.auto_augment, random_erase=config.random_erase)
     resize = val_transform(config.img_size)
     train_set = MyDataSet(split.train_images, split.train_labels, augment)
     val_set = MyDataSet(split.val_images, split.val_labels, resize)
-    return train_set, val_set, decode_once([train_set, val_set], config.image_cache_gb, process)
+    if plan.store is not None:
+        store = Store(plan.store)
+        for data in (train_set, val_set):
+            data.decoded = store.images(data.images_path, data.min_side)
+    return train_set, val_set, plan.images_line
 
 
 def loaders(train_set, val_set, batches, val_sampler, config, choice, device: torch.device):
@@ -67,7 +72,8 @@ def loaders(train_set, val_set, batches, val_sampler, config, choice, device: to
         training = DataLoader(train_set, batch_sampler=batches, **loading)
         validation = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
         return EpochsAhead(training, config.epochs), EpochsAhead(validation)
-    return (TrainingBatches(train_set, batches, device, choice.memory_format),
+    streamed = choice.batches == "stream"
+    return (TrainingBatches(train_set, batches, device, choice.memory_format, streamed),
             ValidationBatches(val_set, val_sampler, config.batch_size, device))  # fmt: skip
 
 

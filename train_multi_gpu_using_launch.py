@@ -59,8 +59,8 @@ def main(argv=None):
 def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
-    # The images, decoded once into memory where they fit (--image-cache-gb); DDP: once for a machine's processes
-    train_set, val_set, decoding_line = datasets(plan.split, config, process)
+    # The images, mapped from the image store (decoded once by the first run; --store-dir); DDP: one copy for all
+    train_set, val_set, decoding_line = datasets(plan, config)
     # DDP: the processes on this machine share its cores; what the flags leave to auto, rank 0 measures for all
     choice = choose(config, plan, device, process.local_world_size, train_set)
     announce(config, plan, process, choice, decoding_line)

@@ -12,8 +12,7 @@ import torch
 
 from autotune.remembered import remember, remembered
 from autotune.timing import measure
-from dataset.in_memory import memory_budget
-from dataset.on_device import crop_and_flip, held_size
+from dataset.on_device import STAGING, crop_and_flip, held_bytes
 from machine import CORES_PER_CPU_LOADER, cores_per_process, cpu_bfloat16
 from multi_train_utils.distributed_utils import alone, broadcast_object, get_world_size, is_main_process
 from multi_train_utils.memory import memory_limited
@@ -33,19 +32,21 @@ def choose(config, plan, device: torch.device, processes_here: int, train_set) -
     candidates = compute_candidates(config.amp, config.channels_last, device)
     share = cores_per_process(processes_here)
     beside_workers = share - share // CORES_PER_CPU_LOADER  # the threads beside --workers (machine.core_budget's rule)
-    held, room = device_batches_room(config, train_set, device, processes_here)  # held: None if they cannot be
-    if config.batches == "device" and held is None:
+    where, held, room = device_batches_room(config, train_set, device)  # where: None if they cannot be made there
+    if config.batches == "device" and where is None:
         raise UserError(f"--batches device: {room.removeprefix('Batches: made by the loader: ')}")
     if given:
-        where = "device" if held is not None and config.batches == "device" else "loader"
-        choice = Choice(config.amp, config.channels_last, small_micro_batch(config), where, config.workers)
+        choice = Choice(config.amp, config.channels_last, small_micro_batch(config), "device", config.workers)
+        choice = replace(choice, batches=where if where is not None and config.batches == "device" else "loader")
     else:
         if device.type == "cpu":  # measured on the threads it trains with: its whole share, less --workers' reserve
             torch.set_num_threads(beside_workers if config.workers is not None else share)
         mine = is_main_process() and remembered_or_measured(
-            config, plan, device, processes_here, train_set, held, candidates
+            config, plan, device, processes_here, train_set, held, where, candidates
         )
         choice = broadcast_object(mine)  # DDP: every rank trains as rank 0 chose
+        if choice.on_device:  # held or streamed: as the images fit the device today, whatever was remembered
+            choice = replace(choice, batches=where)
     workers = 0 if choice.on_device else choice.workers if config.workers is None else config.workers
     threads = None
     if device.type == "cpu":  # --workers changes the workers, not the threads
@@ -53,7 +54,7 @@ def choose(config, plan, device: torch.device, processes_here: int, train_set) -
         torch.set_num_threads(threads)
     why = f"--batches {config.batches}"
     if choice.on_device:
-        room = f"Batches: made on the device ({why}), from the training images held there: {room}"
+        room = f"Batches: made on the device ({why}), {room}"
     elif not room.startswith("Batches:"):
         room = f"Batches: made by the loader ({why}); on the device, {room}"
     lines = (*choice.lines, precision_line(choice, config, device), room)
@@ -65,18 +66,19 @@ def small_micro_batch(config) -> int | None:
     return config.micro_batch if config.micro_batch is not None and config.micro_batch < config.batch_size else None
 
 
-def remembered_or_measured(config, plan, device, processes_here: int, train_set, held: int | None, candidates: list):
+def remembered_or_measured(config, plan, device, processes_here: int, train_set, held: int, where, candidates: list):
     """The choice remembered for this machine and configuration, else (or with --remeasure) the fastest of
-    `candidates`, measured and remembered. `held`: the bytes the images take on the device (None: they cannot)."""
+    `candidates`, measured and remembered. `held`: the bytes the images take on the device; `where` the batches can
+    be made there (device_batches_room; None: nowhere)."""
     path, key, found = remembered(config, plan, device, processes_here)
     if found is not None:
         return found
     share = torch.get_num_threads() if device.type == "cpu" else cores_per_process(processes_here)
     todo = {"workers": config.workers is None and (device.type != "cpu" or share > 1),
-            "micro_batch": config.micro_batch is None and memory_limited(device), "held": held or 0,
-            "where": held is not None and config.batches == "auto" and not config.workers,  # --workers N: the loader
+            "micro_batch": config.micro_batch is None and memory_limited(device), "held": held,
+            "where": where is not None and config.batches == "auto" and not config.workers,  # --workers N: the loader
             "given_micro_batch": small_micro_batch(config), "world_size": get_world_size()}  # fmt: skip
-    where = "device" if held is not None and config.batches == "device" else "loader"
+    where = "device" if where is not None and config.batches == "device" else "loader"
     if len(candidates) == 1 and not (todo["workers"] or todo["micro_batch"] or todo["where"]):  # nothing to measure
         return replace(candidates[0], micro_batch=todo["given_micro_batch"], batches=where, workers=config.workers or 0)
     start = time.perf_counter()
@@ -138,32 +140,40 @@ def choose_batches(device, step: float, on_device: float, load: float, workers: 
                     f"{load * 1000:.2f} ms an image each{start})")  # fmt: skip
 
 
-def device_batches_room(config, train_set, device: torch.device, processes_here: int) -> tuple[int | None, str]:
-    """(the bytes the training images take held on `device`, None where batches cannot be made there; the line
-    saying why not, or the room they take). They need a plain crop and flip, the images decoded, and the room."""
+def device_batches_room(config, train_set, device: torch.device) -> tuple[str | None, int, str]:
+    """(where batches can be made on `device`: "device" from the training images held there, "stream" from the
+    store a few batches ahead, None: not there; the bytes held there; the line saying why). They need a plain crop
+    and flip and the images in the store; held where they fit --device-images-gb (on a GPU, by default, half its
+    free memory; on the CPU the mapped store is held already)."""
     if config.batches == "loader":
-        return None, "Batches: made by the loader (--batches loader)"
+        return None, 0, "Batches: made by the loader (--batches loader)"
     if device.type not in ("cuda", "cpu"):
-        return None, f"Batches: made by the loader: on {device.type}, making them on the device is not measured here"
+        return None, 0, f"Batches: made by the loader: on {device.type}, making them on the device is not measured here"
     try:
         crop_and_flip(train_set.transform)
     except ValueError:
         switch = "--auto-augment" if config.auto_augment != "none" else "--random-erase"
-        return None, f"Batches: made by the loader: {switch} has no batched form on the device"
+        return None, 0, f"Batches: made by the loader: {switch} has no batched form on the device"
     if train_set.decoded is None:
-        return None, "Batches: made by the loader: the images were not decoded into memory (see the Images line)"
-    needed, height, width = held_size(train_set, config.img_size)
-    if device.type == "cuda":
+        return None, 0, "Batches: made by the loader: the images are in no store (see the Images line)"
+    held = held_bytes(train_set.decoded)
+    needed = held + STAGING  # what holding them takes on the device, at its peak: while a chunk is copied there
+    if config.device_images_gb is not None:
+        room, where = config.device_images_gb * 1e9, f"the {config.device_images_gb:g} GB of --device-images-gb"
+    elif device.type == "cuda":
         room = DEVICE_SHARE * torch.cuda.mem_get_info(device)[0]
         where = f"half of the {room / DEVICE_SHARE / 1e9:.1f} GB free on {device}"
     else:
-        budget, why = memory_budget(config.image_cache_gb, processes_here)
-        room = (budget or 0) - train_set.decoded.pixels.numel()
-        where = f"what the decoded images leave of {why}"
-    sizes = f"{len(train_set)} images padded to {height} x {width} px: {needed / 1e9:.2f} GB"
+        stored = train_set.decoded.bytes / 1e9
+        return "device", 0, f"from the {len(train_set)} training images mapped from the store ({stored:.2f} GB)"
+    sizes = f"the {len(train_set)} training images take {needed / 1e9:.2f} GB"
     if needed > room:
-        return None, f"Batches: made by the loader: held on {device.type}, {sizes}, more than {where}"
-    return needed, f"{sizes}, within {where}"
+        return "stream", 0, f"streamed from the store a few batches ahead of the step: {sizes}, more than {where}"
+    return (
+        "device",
+        held if device.type == "cuda" else 0,
+        f"from the training images held there: {sizes}, within {where}",
+    )
 
 
 def amp_candidates(amp: str, device: torch.device) -> tuple[list[str], str]:

@@ -8,14 +8,13 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 
-from machine import AVX2_CAPS, available_cores, cpu_name, torch_cpu_isa
+from machine import AVX2_CAPS, available_cores, cache_folder, cpu_name, torch_cpu_isa
 from multi_train_utils.train_eval_utils import AMP_DTYPES, Choice
 from read_back import NUMBER, misfits, read_json
 from utils import OutputError, UserError, warn, write_json
 
 CACHE_ENV = "FLOWERS_AUTOTUNE_CACHE"  # a file path instead of the user's cache folder: for tests, or a shared disk
 CACHE_VERSION = 2
-ON_WINDOWS = os.name == "nt"
 # A remembered choice, as remember() writes it (read_back.misfits' shapes): the Choice and what it was decided from
 CHOICE_SHAPE = {"amp": str, "channels_last": bool, "workers": int, "micro_batch": (int, type(None)),
                 "measured": dict, "load_ms": (NUMBER, type(None)), "seconds": NUMBER, "date": str,
@@ -29,8 +28,7 @@ def cache_file() -> Path:
     """$FLOWERS_AUTOTUNE_CACHE if set; else in the user's cache folder."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    variable, default = ("LOCALAPPDATA", Path("AppData", "Local")) if ON_WINDOWS else ("XDG_CACHE_HOME", Path(".cache"))
-    return Path(os.environ.get(variable) or Path.home() / default) / "flower-training" / "autotune.json"
+    return cache_folder() / "autotune.json"
 
 
 def cache_key(config, plan, device: torch.device, processes_here: int) -> dict:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from dataset.on_device import TrainingBatches, crop_and_flip, hold
+from dataset.on_device import TrainingBatches
 from dataset.sampling import sample_seeds
 from multi_train_utils.distributed_utils import shuffled_batches
 from multi_train_utils.memory import OutOfMemory, largest_that_fits, pass_fits
@@ -178,11 +178,10 @@ def time_loading(train_set, config, device: torch.device) -> float:
 
 
 def device_seconds_per_image(train_set, batch_size: int, device: torch.device, memory_format) -> float:
-    """Seconds per image the device takes to make a training batch of the first images held there."""
-    sample = list(range(min(batch_size, len(train_set))))
-    held = hold(train_set, crop_and_flip(train_set.transform)[0].size[0], device, sample)
-    batches = TrainingBatches(train_set, [], device, memory_format, held=held)
-    index = np.resize(np.arange(len(sample)), batch_size)
+    """Seconds per image it takes to make a training batch of the first images on `device`, gathered from the store
+    and copied there (as a stream does, ahead of the step: an upper bound of what the step waits for)."""
+    batches = TrainingBatches(train_set, [], device, memory_format, streamed=True)
+    index = np.resize(np.arange(min(batch_size, len(train_set))), batch_size)
     seeds = sample_seeds(0, 0, index)
 
     seconds = []

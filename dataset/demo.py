@@ -18,6 +18,8 @@ import numpy as np
 from filelock import FileLock
 from PIL import Image, ImageDraw, ImageFilter
 
+from utils import writing
+
 DEMO_DATA_PATH = Path(__file__).resolve().parents[1] / "data" / "demo_flower_photos"
 DEMO_CLASSES = ("daisy", "dandelion", "roses", "sunflowers", "tulips")
 FLOWER_PHOTOS = {"daisy": 633, "dandelion": 898, "roses": 641, "sunflowers": 699, "tulips": 799}  # images a class
@@ -113,24 +115,25 @@ def make_demo_data(
     counts = dict.fromkeys(DEMO_CLASSES, images_per_class) if isinstance(images_per_class, int) else images_per_class
     if root.is_dir():
         return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(root.parent / f".{root.name}.lock"):
-        if root.is_dir():  # another process made it while we waited
-            return root
-        staging = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
-        try:
-            for kind in counts:
-                (staging / kind).mkdir()
-            tasks = [(staging, kind, i, seed, size, photo_like) for kind, n in counts.items() for i in range(n)]
-            if workers > 1:
-                with multiprocessing.Pool(workers) as pool:
-                    pool.map(_write_image, tasks, chunksize=16)
-            else:
-                for task in tasks:
-                    _write_image(task)
-            os.rename(staging, root)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    with writing(root):  # a data folder that cannot be written: one line
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(root.parent / f".{root.name}.lock"):
+            if root.is_dir():  # another process made it while we waited
+                return root
+            staging = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
+            try:
+                for kind in counts:
+                    (staging / kind).mkdir()
+                tasks = [(staging, kind, i, seed, size, photo_like) for kind, n in counts.items() for i in range(n)]
+                if workers > 1:
+                    with multiprocessing.Pool(workers) as pool:
+                        pool.map(_write_image, tasks, chunksize=16)
+                else:
+                    for task in tasks:
+                        _write_image(task)
+                os.rename(staging, root)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
     return root
 
 

@@ -52,3 +52,35 @@ def decoded_size(path, min_side: int | None = None) -> tuple[int, int] | None:
     except Exception:  # PIL raises many types for a file that is not an image
         return None
     return (width, height) if quarter_turn else (height, width)
+
+
+def capped(size: tuple[int, int], cap: int) -> tuple[int, int]:
+    """(height, width) with the shorter side brought down to `cap` where it is longer."""
+    return tuple(size) if min(size) <= cap else tuple(max(1, round(side * cap / min(size))) for side in size)
+
+
+def write_decoded(task) -> list[tuple[int, bool]]:
+    """A building process's share of an image store: each image decoded as load_rgb does at each of `min_sides`
+    (once for each shape: entries of one shape share their pixels), resized to its stored size where a cap brought it
+    down, and written at its offset; (its index, whether it decoded as its header said) each."""
+    store, start, images, min_sides, cap = task
+    done = []
+    with open(store, "r+b") as file:
+        for index, path, offsets, shapes in images:
+            ok = True
+            for entry, (min_side, offset, (height, width)) in enumerate(zip(min_sides, offsets, shapes, strict=True)):
+                if [height, width] in shapes[:entry]:
+                    continue  # its pixels written already
+                try:
+                    image = load_rgb(path, min_side)
+                    if cap is not None and image.size != (width, height):
+                        image = image.resize((width, height), Image.Resampling.LANCZOS, reducing_gap=2.0)
+                    pixels = np.asarray(image)
+                except Exception:  # PIL raises many types for a file that is gone or no longer an image
+                    pixels = None
+                ok = ok and pixels is not None and pixels.shape == (height, width, 3)
+                if ok:
+                    file.seek(start + offset)
+                    file.write(pixels.tobytes())
+            done.append((index, ok))
+    return done

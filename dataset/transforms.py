@@ -38,6 +38,12 @@ def val_transform(img_size: int) -> Preset:
     return Preset([v2.ToImage(), v2.Resize(resize, antialias=True), v2.CenterCrop(img_size)], resize)
 
 
+def decode_sides(img_size: int) -> list[int]:
+    """The shorter sides a training image and a validation image are decoded at, at least: the image store's sizes
+    (the training crop's, whatever augmentation follows it)."""
+    return [train_transform(img_size).min_side, val_transform(img_size).min_side]
+
+
 def normalise(images: torch.Tensor) -> torch.Tensor:
     """8-bit images normalised by ImageNet's mean and deviation into float32 (any other type is taken as normalised),
     the constants made on each device once: copying them each batch would make the host wait for the device."""

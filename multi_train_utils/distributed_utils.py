@@ -282,11 +282,6 @@ def broadcast_object(obj):
     return holder[0]
 
 
-def wait_for_all() -> None:
-    """A barrier."""
-    broadcast_object(None)
-
-
 def on_main_process(function, *args) -> None:
     """function(*args) on rank 0 alone, the others waiting; a UserError it raises is raised on every rank, so that
     all stop together instead of waiting for rank 0 until the collective timeout."""

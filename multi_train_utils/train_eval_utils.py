@@ -25,7 +25,7 @@ class Choice:
     amp: str = "off"
     channels_last: bool = False
     micro_batch: int | None = None
-    batches: str = "loader"
+    batches: str = "loader"  # made by the loader, or on the device: "device" (images held there), "stream"
     workers: int = 0
     threads: int | None = None
     lines: tuple[str, ...] = field(default=(), compare=False)  # what the run prints about it
@@ -40,7 +40,7 @@ class Choice:
 
     @property
     def on_device(self) -> bool:
-        return self.batches == "device"
+        return self.batches in ("device", "stream")
 
     def autocast(self, device: torch.device):
         return torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)

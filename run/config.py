@@ -184,9 +184,23 @@ class Config:
     grad_checkpointing: bool = speed_flag(
         False, "recompute each block's activations in the backward pass: less memory", action="store_true"
     )
-    image_cache_gb: float | None = speed_flag(
+    store_dir: str | None = speed_flag(
         None,
-        "GB per process for the images decoded once (default: a quarter of memory; 0: none)",
+        "the image store's folder: the images decoded once for every run (default: the user's cache; off: none, "
+        "each image decoded from its file every epoch)",
+        metavar="DIR",
+    )
+    store_side: int | None = speed_flag(
+        None,
+        "the shorter side the store keeps an image at, at most (default: auto, as decoded unless the disk holds only "
+        "less)",
+        type=auto_or(positive_int),
+        metavar="N",
+    )
+    device_images_gb: float | None = speed_flag(
+        None,
+        "GB of the device's memory the training images may be held in (default: half its free memory); where they "
+        "take more, each batch is streamed to it from the store",
         type=number(float, 0),
     )
     persistent_workers: bool = speed_flag(

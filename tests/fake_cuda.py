@@ -19,10 +19,12 @@ as on a GPU, as fast as Python goes, on any machine. What a real GPU would do di
   the device's queue to drain (to the host), or torch waits for the copy to finish (to the device, from memory
   that is not pinned). A copy to the host gives zeros: the values are not known. Copies that do not block are
   not counted.
-- Pinning host memory (Tensor.pin_memory, which needs a GPU's driver) gives a copy of the tensor.
+- Pinning host memory (which needs a GPU's driver) gives plain memory: Tensor.pin_memory a copy of the tensor,
+  torch.empty(pin_memory=True) in any thread an unpinned tensor.
 - torch.cuda.Event and torch.cuda.current_stream are stand-ins that remember the device each event was recorded
-  on (`events`); torch.cuda.set_device is remembered (`current`); each GPU's random generator has a state of its
-  own, and setting one that does not exist raises IndexError, as with that many real GPUs.
+  on (`events`); torch.cuda.Stream's remembers the events recorded on it and the waits for them (`stream_events`);
+  torch.cuda.set_device is remembered (`current`); each GPU's random generator has a state of its own, and
+  setting one that does not exist raises IndexError, as with that many real GPUs.
 
 The tensors that stay on the CPU (the labels before they travel, torchvision's mixing parameters, ...) are real
 and computed for real. Caches of device tensors made inside (dataset/transforms.py's normalising constants) are
@@ -101,8 +103,21 @@ class NoDeviceFakeTensorMode(FakeTensorMode):
 
 
 class FakeStream:
-    def __init__(self, device: torch.device):
-        self.device = device
+    """torch.cuda.Stream's stand-in: its events (record_event) and those it waits for (wait_event) go to `log` as
+    (what, the stream's device, the event), in order."""
+
+    log: list = []
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = torch.device("cuda") if device is None else torch.device(device)
+
+    def record_event(self, event=None):
+        event = event or object()
+        FakeStream.log.append(("record", self.device, event))
+        return event
+
+    def wait_event(self, event) -> None:
+        FakeStream.log.append(("wait", self.device, event))
 
 
 class FakeEvent:
@@ -126,6 +141,7 @@ class FakeCuda(TorchDispatchMode):
         self.fake = NoDeviceFakeTensorMode(allow_non_fake_inputs=True)
         self.waits = collections.Counter()
         self.events = FakeEvent.log = []
+        self.stream_events = FakeStream.log = []
         self.current = 0
         self.patches = contextlib.ExitStack()
 
@@ -139,6 +155,8 @@ class FakeCuda(TorchDispatchMode):
             "set_device": self.set_device,
             "current_stream": lambda device=None: FakeStream(torch.device("cuda", self.index(device))),
             "Event": FakeEvent,
+            "Stream": FakeStream,
+            "stream": lambda stream: contextlib.nullcontext(stream),
             "is_current_stream_capturing": lambda: False,  # (torch's nn.SyncBatchNorm asks)
         }.items():
             patches.enter_context(substituted(cuda, name, value))
@@ -150,6 +168,8 @@ class FakeCuda(TorchDispatchMode):
             for owner in (cuda, torch.cuda.random):  # (get_rng_state_all and set_rng_state_all call the latter's)
                 patches.enter_context(substituted(owner, name, value))
         patches.enter_context(substituted(torch.Tensor, "backward", backward))  # (see backward)
+        patches.enter_context(substituted(torch.Tensor, "record_stream", lambda tensor, stream: None))
+        patches.enter_context(substituted(torch, "empty", unpinned_empty))  # (any thread's: see unpinned_empty)
         if hasattr(fake_tensor, "init_gpu_context"):  # torch 2.11 starts a real GPU before its first fake CUDA tensor
             patches.enter_context(substituted(fake_tensor, "init_gpu_context", lambda device: None))
         patches.enter_context(self.fake)  # beneath this mode: what reaches it is on a GPU
@@ -223,6 +243,15 @@ class FakeCuda(TorchDispatchMode):
                 non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
                 return ("host" if destination == "cpu" else "device"), non_blocking
         return None
+
+
+REAL_EMPTY = torch.empty
+
+
+def unpinned_empty(*args, pin_memory: bool = False, **kwargs) -> torch.Tensor:
+    """torch.empty, its pinned host memory plain (pinning needs a GPU's driver): in the threads that make batches
+    ahead too, where the dispatch mode above, which is the thread's own, does not reach."""
+    return REAL_EMPTY(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -7,13 +7,16 @@ import os
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import final_weights, run_here, run_script
 from spawn_world import spawn_world
+from wiring import planned
 
+import machine as machine_module
 from autotune import choose as autotune
 from autotune import remembered, timing
 from autotune.choose import choose_workers
@@ -237,8 +240,8 @@ def test_the_cache_file_is_in_the_users_cache_folder_unless_relocated(monkeypatc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_file() == tmp_path / "xdg" / "flower-training" / "autotune.json"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert cache_file() == remembered.Path.home() / ".cache" / "flower-training" / "autotune.json"
-    monkeypatch.setattr(remembered, "ON_WINDOWS", True)
+    assert cache_file() == Path.home() / ".cache" / "flower-training" / "autotune.json"
+    monkeypatch.setattr(machine_module, "ON_WINDOWS", True)
     monkeypatch.setenv("LOCALAPPDATA", str(tmp_path / "local"))
     assert cache_file() == tmp_path / "local" / "flower-training" / "autotune.json"
 
@@ -329,8 +332,8 @@ def test_auto_makes_the_batches_where_it_measured_them_faster_says_so_and_rememb
 ):
     """Where the images fit on the device (substituted), auto times making a batch there (substituted: `making`
     seconds an image) against loading (2 ms an image on one core) beside the measured step, and chooses."""
-    room = "4 images padded to 8 x 8 px: 0.00 GB, within half of the 1.0 GB free"
-    monkeypatch.setattr(autotune, "device_batches_room", lambda *args: (1000, room))
+    room = "from the training images held there: 4 images take 0.00 GB, within half of the 1.0 GB free"
+    monkeypatch.setattr(autotune, "device_batches_room", lambda *args: ("device", 1000, room))
     monkeypatch.setattr(timing, "device_seconds_per_image", lambda *args: making)
     monkeypatch.setattr(timing, "time_loading", lambda train_set, *how: 0.002)
     plan.split.train_images = ["image.jpg"] * 80  # 10 steps an epoch
@@ -340,7 +343,7 @@ def test_auto_makes_the_batches_where_it_measured_them_faster_says_so_and_rememb
     assert compute.on_device is on_device and workers == 0
     assert f"Auto: batches made {'on the device' if on_device else 'by the loader'}: there " in printed
     if on_device:
-        assert f"Batches: made on the device (--batches auto), from the training images held there: {room}" in printed
+        assert f"Batches: made on the device (--batches auto), {room}" in printed
     assert tuned(choose(config, plan, CPU, 1, NOT_LOADED))[1].on_device is on_device  # remembered
     assert "batches made on the device, as measured on" in capsys.readouterr().out or not on_device
 
@@ -353,7 +356,7 @@ def test_a_loader_worker_is_timed_as_it_delivers_batches_so_a_slower_collation_s
     workers to keep ahead of the same step. (20 ms, within 10 %, failed once on a loaded 2-core CI machine: the
     difference measured was 2.22 ms an image against 2.25 asked; a timing's noise is not what this checks.)"""
     config = Config(img_size=32, batch_size=8)
-    train_set = datasets(read_split_data(tiny_data), config)[0]
+    train_set = datasets(planned(read_split_data(tiny_data), config), config)[0]
     quick = timing.time_loading(train_set, config, CPU)
     collate = torch.utils.data._utils.collate.default_collate
     monkeypatch.setattr(

@@ -1,22 +1,14 @@
 """MyDataSet: every image mode becomes a 3-channel 8-bit tensor; augmentation follows the per-sample seed; images
-decoded once into memory give exactly what their files give."""
-
-import contextlib
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from the image store give exactly what their files give (tests/test_store.py)."""
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from PIL import Image
 
-import dataset.in_memory as decoding
-from dataset.images import SKIPPED, load_rgb
-from dataset.in_memory import decode_once, in_chunks
+from dataset.images import load_rgb
 from dataset.sampling import SeededBatchSampler, sample_seed
 from dataset.transforms import normalise, train_transform, val_transform
-from multi_train_utils.distributed_utils import Process
 from my_dataset import MyDataSet
 
 pytestmark = pytest.mark.fast  # no script started, no training run
@@ -125,71 +117,3 @@ def varied_images(folder) -> list:
     return [
         folder / name for name in ("large.jpg", "sideways.jpg", "alpha.png", "grey16.png", "small.jpg", "broken.jpg")
     ]
-
-
-@pytest.mark.parametrize("transform", ["train", "val"])
-def test_images_decoded_once_give_exactly_the_items_their_files_give(tmp_path, transform, capsys, monkeypatch):
-    paths = varied_images(tmp_path)
-    monkeypatch.setattr(decoding, "in_chunks", partial(in_chunks, chunk=2))  # the threads' tasks: 3 chunks
-    preset = (
-        train_transform(48, auto_augment="trivialaugment", random_erase=0.5)
-        if transform == "train"
-        else val_transform(48)
-    )
-    from_files = MyDataSet(paths, list(range(len(paths))), preset)
-    in_memory = MyDataSet(paths, list(range(len(paths))), preset)
-    line = decode_once([in_memory], gigabytes=1)
-    assert line.startswith("Images: 5 decoded once into memory")
-    assert load_rgb(paths[1]).size == (60, 90)  # the sideways JPEG, turned upright as its EXIF says
-    assert in_memory.decoded.offsets[-1] == -1  # the broken file: read (and skipped) at its turn, as before
-    for index in range(len(paths)):
-        for seed in (1, 2, 3):
-            (expected, expected_label), (got, label) = from_files[(index, seed)], in_memory[(index, seed)]
-            assert expected.dtype == got.dtype == torch.uint8
-            assert torch.equal(expected, got) and label == expected_label
-    assert label == SKIPPED and "skipped unreadable image" in capsys.readouterr().err
-
-
-def test_the_decoding_threads_take_the_images_in_chunks_and_give_the_results_in_order():
-    with ThreadPoolExecutor(2) as pool:
-        assert in_chunks(pool, lambda i: i * i, range(7), chunk=2) == [i * i for i in range(7)]
-        assert in_chunks(pool, lambda i: i, []) == []
-
-
-@contextlib.contextmanager
-def group_of_one():
-    """A process group (gloo) of this process alone, for the collectives of the code inside."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_images_are_decoded_once_only_where_they_fit_the_memory_budget(tmp_path, monkeypatch):
-    paths = varied_images(tmp_path)[1:5]
-    data = MyDataSet(paths, [0] * len(paths), val_transform(32))
-    needed = sum(np.asarray(load_rgb(path, data.min_side)).size for path in paths)  # bytes, decoded
-    assert decode_once([data], gigabytes=0) == "Images: decoded from their files every epoch (--image-cache-gb 0)"
-    line = decode_once([data], gigabytes=(needed - 1) / 1e9)
-    assert data.decoded is None and "they would take 0.0 GB, more than the 0.0 GB of --image-cache-gb" in line
-    # By default a quarter of the memory the run may use (machine.memory_limit), shared among its processes here
-    monkeypatch.setattr(decoding, "memory_limit", lambda: (4 * needed, "SLURM's --mem, SLURM_MEM_PER_NODE"))
-    monkeypatch.setattr(decoding, "SHARED_FOLDERS", [tmp_path])
-    with group_of_one():  # decode_once meets the other processes of its machine (here: none) in the group
-        line = decode_once([data], None, Process(local_world_size=2))
-    assert "decoded from their files" in line and data.decoded is None
-    assert f"of the {4 * needed / 1e9:.1f} GB this run may use (SLURM's --mem, SLURM_MEM_PER_NODE)" in line
-    line = decode_once([data], None, Process())
-    assert "4 decoded once" in line and data.decoded is not None and "SLURM_MEM_PER_NODE" in line
-    monkeypatch.setattr(decoding, "memory_limit", lambda: (None, "this system does not say its memory"))
-    assert "does not say its memory" in decode_once([MyDataSet(paths, [0] * 4, val_transform(32))], None)
-
-
-def test_an_image_that_decodes_to_another_size_than_its_header_says_is_read_from_its_file(tmp_path, monkeypatch):
-    paths = varied_images(tmp_path)[:5]
-    monkeypatch.setattr(decoding, "decoded_size", lambda path, min_side: (7, 9))  # a header that misleads
-    data = MyDataSet(paths, [0] * len(paths), val_transform(32))
-    decode_once([data], gigabytes=1)
-    assert data.decoded.offsets.tolist() == [-1] * 5
-    assert all(torch.equal(data[i][0], MyDataSet(paths, [0] * 5, val_transform(32))[i][0]) for i in range(5))

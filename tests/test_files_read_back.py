@@ -180,7 +180,7 @@ MEASURED = Measured({Choice("off", False): 100.0}, ["Auto: measured"])  # measur
 def measured_or_remembered(plan) -> Choice:
     """autotune's choice for AUTO: remembered, else measured (MEASURED, substituted) and remembered."""
     candidates = compute_candidates(AUTO.amp, AUTO.channels_last, CPU)
-    return remembered_or_measured(AUTO, plan, CPU, 1, None, None, candidates)
+    return remembered_or_measured(AUTO, plan, CPU, 1, None, 0, None, candidates)
 
 
 @pytest.fixture(scope="module")

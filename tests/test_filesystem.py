@@ -48,10 +48,11 @@ def test_a_full_disk_while_saving_stops_the_run_in_one_line_and_resume_continues
     line = assert_stopped_cleanly_after_epoch(0, out, result)
     assert f"cannot write {out / 'weights' / 'last.pth'}: File too large" in line
     assert re.search(r"\d+ MiB free on its filesystem, about \d+ MiB needed", line), line
-    assert f"{out / 'checkpoint.pth'} (epoch 0) is untouched" in line and "--resume" in line
+    assert f"{out / 'checkpoint.pth'} (epoch 0) is untouched" in line
+    advised = line.split(f"once {out} can be written, run the same command with ")[1].split()
 
-    resumed = run_here("train_single_gpu.py", *flags, "--resume", out / "checkpoint.pth")  # once there is room
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = run_here("train_single_gpu.py", *flags, *advised)  # once there is room
+    assert resumed.returncode == 0 and "Resuming from" in resumed.stdout, resumed.stderr
     assert [json.loads(m)["epoch"] for m in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
 
@@ -61,9 +62,9 @@ def copy_of(data, tmp_path):
     return copy, read_split_data(copy, seed=3)
 
 
-# The images read from their files every epoch, as where they do not fit in memory: a file that vanishes after
-# the images were decoded once changes nothing
-FROM_FILES = ("--image-cache-gb", "0", "--batches", "loader")  # (held on the device, none is read again)
+# The images read from their files every epoch, as without an image store: a file that vanishes after the store
+# was built changes nothing
+FROM_FILES = ("--store-dir", "off", "--batches", "loader")
 
 
 def test_under_torchrun_vanished_images_are_skipped_on_every_rank_and_a_full_disk_stops_them_all(tiny_data, tmp_path):

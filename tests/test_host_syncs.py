@@ -25,8 +25,8 @@ from wiring import model_as_trained, resnet10, training_as_built
 import model as model_module
 import multi_train_utils.sync_batchnorm as sync_batchnorm
 from dataset.images import SKIPPED
-from dataset.in_memory import DecodedImages
-from dataset.transforms import train_transform, val_transform
+from dataset.store import DecodedImages
+from dataset.transforms import normalise_pixels, train_transform, val_transform
 from multi_train_utils.distributed_utils import shuffled_batches
 from multi_train_utils.sync_batchnorm import convert_sync_batchnorm
 from multi_train_utils.train_eval_utils import Choice, evaluate, train_one_epoch
@@ -109,15 +109,16 @@ def epochs_of(kind: str, training, model, compute: Choice, device: torch.device,
     return lambda data: train_one_epoch(training, data, device, next(epochs))
 
 
-def made_on_device(kind: str, device: torch.device, compute: Choice):
+def made_on_device(kind: str, device: torch.device, compute: Choice, streamed: bool = False):
     """data(count): `count` batches of 4 made on `device` as the scripts make them there (dataset/on_device.py):
-    training batches cropped and flipped from images held on the device, or validation images held there, from
-    images decoded in memory (held_data)."""
+    training batches cropped and flipped from images held on the device (or `streamed` to it), or validation
+    images held there, from images decoded in memory as in a store (held_data)."""
 
     def data(count: int):
         train_set, val_set = held_data(count * 4)
         if kind == "train":
-            return TrainingBatches(train_set, shuffled_batches(train_set, 4, 0), device, compute.memory_format)
+            batches = shuffled_batches(train_set, 4, 0)
+            return TrainingBatches(train_set, batches, device, compute.memory_format, streamed)
         return ValidationBatches(val_set, range(len(val_set)), 4, device)
 
     return data
@@ -125,12 +126,12 @@ def made_on_device(kind: str, device: torch.device, compute: Choice):
 
 def held_data(count: int, pixels: int = 32) -> tuple[MyDataSet, MyDataSet]:
     """(training set, validation set) of `count` images of various sizes around 40 x 48, decoded in memory (no
-    files), with the scripts' transforms at `pixels`."""
+    files) one after another, bytes past the last as in a store, with the scripts' transforms at `pixels`."""
     generator = torch.Generator().manual_seed(0)
     shapes = torch.tensor([[36 + index % 7, 48 - index % 5] for index in range(count)])
     sizes = 3 * shapes.prod(dim=1)
     offsets = sizes.cumsum(dim=0) - sizes
-    flat = torch.randint(0, 256, (int(sizes.sum()),), dtype=torch.uint8, generator=generator)
+    flat = torch.randint(0, 256, (int(sizes.sum()) + 3 * 3 * 48,), dtype=torch.uint8, generator=generator)
     names, labels = [f"image{index}.jpg" for index in range(count)], [index % CLASSES for index in range(count)]
     sets = MyDataSet(names, labels, train_transform(pixels)), MyDataSet(names, labels, val_transform(pixels))
     for data in sets:
@@ -155,14 +156,14 @@ def waits_per_epoch(
     return tuple(counted)
 
 
-def fake_cuda_waits(kind: str, amp: str, switches: dict, on_device=False) -> tuple[collections.Counter, ...]:
+def fake_cuda_waits(kind: str, amp: str, switches: dict, feed=None) -> tuple[collections.Counter, ...]:
     """waits_per_epoch of `kind` (epochs_of) on fake CUDA, as FakeCuda counts them, the batches made by a loader
-    (on the host) or, `on_device`, on the device. (Without evaluate's limit on unreadable images: a fake confusion
-    matrix reaches the host as zeros.)"""
+    (on the host; `feed` None) or on the device ("held", "streamed"). (Without evaluate's limit on unreadable
+    images: a fake confusion matrix reaches the host as zeros.)"""
     with FakeCuda() as cuda:
         device = torch.device("cuda")
         training, model, compute = built(device, amp, switches)
-        data = made_on_device(kind, device, compute) if on_device else None
+        data = None if feed is None else made_on_device(kind, device, compute, feed == "streamed")
         step = switches.get("accumulate", 1) if kind == "train" else 1
         return waits_per_epoch(epochs_of(kind, training, model, compute, device), cuda.waits, data, step)
 
@@ -175,13 +176,14 @@ def two_ranks(monkeypatch):
     monkeypatch.setattr(sync_batchnorm, "dist", TwoRanks)
 
 
-FEEDS = {"loader": False, "on-device": True}  # the batches made by a loader, or on the device (--batches)
+# The batches made by a loader, or on the device (--batches) from images held there or streamed to it
+FEEDS = {"loader": None, "on-device": "held", "streamed": "streamed"}
 # Each precision plain and with every switch, fed by a loader; fed on the device, in channels_last (the one switch
 # that changes how a batch is made there: its layout; the others act on the step after it, as with a loader's)
 CHANNELS_LAST = {"channels_last": True}
 CASES = [
     *((amp, switches, "loader") for amp in PRECISIONS for switches in ({}, EVERY_SWITCH)),
-    *((amp, CHANNELS_LAST, "on-device") for amp in PRECISIONS),
+    *((amp, CHANNELS_LAST, feed) for amp in PRECISIONS for feed in ("on-device", "streamed")),
 ]
 NAMES = {0: "plain", len(CHANNELS_LAST): "channels-last", len(EVERY_SWITCH): "every-switch"}
 # In the fast tier (pytest -m fast) all but the cases with every switch, which take about 10 s each on 2 cores
@@ -198,7 +200,24 @@ def test_a_training_step_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switc
     assert sum(long.values()) == 0, long  # nor once an epoch: the epoch's sums arrive without a blocking copy
 
 
-@pytest.mark.parametrize("amp, switches, feed", CASES)
+@FAST
+def test_each_streamed_batch_is_copied_on_a_stream_of_its_own_that_the_step_waits_for_on_the_device():
+    """A streamed batch's copy is queued on the copy stream, an event recorded after it, and the step's stream waits
+    for that event (the device waits, not the host) before the batch is cropped: one record and one wait a batch."""
+    with FakeCuda() as cuda:
+        device, compute = torch.device("cuda"), Choice(channels_last=True)
+        normalise_pixels(torch.zeros(1, 3, 1, 1, device=device))  # the normalising constants, once a device
+        before, data = collections.Counter(cuda.waits), made_on_device("train", device, compute, streamed=True)(3)
+        for images, _ in data:
+            assert images.device.type == "cuda" and images.is_contiguous(memory_format=torch.channels_last)
+        assert cuda.waits == before, cuda.waits - before
+        records = [event for what, _, event in cuda.stream_events if what == "record"]
+        waits = [event for what, _, event in cuda.stream_events if what == "wait"]
+        assert len(records) == 3 and waits == records  # each batch's own copy, waited for in order
+        assert all(device_of.type == "cuda" for _, device_of, _ in cuda.stream_events)
+
+
+@pytest.mark.parametrize("amp, switches, feed", [case for case in CASES if case.values[2] != "streamed"])
 def test_a_validation_batch_on_fake_cuda_makes_the_host_wait_for_nothing(amp, switches, feed, two_ranks):
     short, long = fake_cuda_waits("validate", amp, switches, FEEDS[feed])
     assert long == short, f"the host waits for the device in each batch: {long - short} more in one more batch"
@@ -266,6 +285,6 @@ def test_a_cuda_training_step_makes_no_host_sync_under_sync_debug_mode(amp, feed
     training, model, compute = built(device, amp, EVERY_SWITCH)
     for kind, limits in (("train", {}), ("validate", {"max_skipped": 1})):
         run = SyncWarnings(epochs_of(kind, training, model, compute, device, **limits))
-        data = made_on_device(kind, device, compute) if FEEDS[feed] else None
+        data = None if FEEDS[feed] is None else made_on_device(kind, device, compute, FEEDS[feed] == "streamed")
         short, long = waits_per_epoch(run, run.waits, data, EVERY_SWITCH["accumulate"] if kind == "train" else 1)
         assert long == short, f"{kind}: the host waits for the GPU in each step: {long - short} more in one more step"

@@ -1,5 +1,6 @@
-"""Start-up: the image check (dataset/image_check.py), once per run under torchrun and not repeated by a restart
-or resume for images that have not changed; and the start-up benchmark's parts (tools/startup_benchmark.py)."""
+"""Start-up: the image check (dataset/image_check.py, where there is no image store), not repeated by a restart or
+resume for images that have not changed; under torchrun, the images decoded once, into the store, by one rank; and
+the start-up benchmark's parts (tools/startup_benchmark.py)."""
 
 import argparse
 import json
@@ -20,7 +21,7 @@ from dataset.folders import list_images, read_split_data
 from dataset.image_check import CHECKED_IMAGES, ImageCheck
 from run.config import SINGLE, parse_config
 from run.plan import prepare
-from tools.startup_benchmark import image_counts, seconds_to_first_step, small_images, startup_parts, startup_table
+from tools.startup_benchmark import image_counts, seconds_to_first_step, startup_benchmark, startup_table
 from utils import UserError
 
 
@@ -110,7 +111,7 @@ def test_ranks_checking_at_once_decode_each_image_once_and_each_report_the_unrea
 @pytest.mark.fast
 def test_a_restarted_run_decodes_nothing_and_reports_a_corrupt_image_added_since(tmp_path, decoded):
     data, run = make_images(tmp_path / "data", per_class=8), tmp_path / "run"
-    flags = ["--data-path", data, "--output-dir", run, "--batch-size", "2", "--auto-resume"]
+    flags = ["--data-path", data, "--output-dir", run, "--batch-size", "2", "--auto-resume", "--store-dir", "off"]
 
     def start(*more):
         decoded.clear()
@@ -126,37 +127,39 @@ def test_a_restarted_run_decodes_nothing_and_reports_a_corrupt_image_added_since
     assert decoded == []  # its verdict was remembered
 
 
-def test_under_torchrun_each_image_is_decoded_once_per_run(torchrun_run, tiny_data):
-    result, out = torchrun_run  # 2 processes, each logging the images it decoded (DECODE_LOG)
+def test_under_torchrun_the_images_are_decoded_once_into_the_store_by_one_rank_and_never_again(torchrun_run, tiny_data):
+    """The run's two ranks meet at the image store: one builds it (each image decoded once, by its processes), the
+    other waits and maps it; no epoch decodes an image, and no image check is needed besides."""
+    result, out = torchrun_run  # 2 processes, each logging the images decoded for it (DECODE_LOG)
     logs = sorted((out.parent / "decodes").glob("*.log"))
     decoded = Counter(line for log in logs for line in log.read_text().splitlines())
     images = [str(image) for folder in sorted(tiny_data.iterdir()) for image in list_images(folder)]
-    assert len(images) == 60 and decoded == Counter(images), result.stdout
-    assert len(logs) == 1  # one process decoded them all; the other found its verdicts
-    assert len(json.loads((out / CHECKED_IMAGES).read_text())["images"]) == 60
+    assert len(images) == 60 and decoded == Counter(images), result.stdout  # 48x40: one decode size for both
+    assert len(logs) == 1  # one rank built the store; the other mapped it
+    assert len(list((out.parent / "stores").glob("*.store"))) == 1 and not (out / CHECKED_IMAGES).exists()
+    built, waited = f"Images: 60 decoded once into the store {out.parent / 'stores'}", "Images: 60 from the store"
+    assert (built in result.stdout) != (waited in result.stdout)  # rank 0 says which it did
 
 
-@pytest.mark.fast
-def test_the_startup_benchmark_parts_at_a_hundred_images(tmp_path):
-    assert image_counts("1000,10000,100000") == [1000, 10000, 100000]
+def test_the_startup_benchmark_at_a_hundred_images_builds_the_store_once_and_maps_it_in_the_second_run(tmp_path):
+    assert image_counts("5000,20000") == [5000, 20000]
     with pytest.raises(argparse.ArgumentTypeError):
         image_counts("10")
-    data = small_images(tmp_path / "images", 100)
-    assert sum(len(list_images(folder)) for folder in data.iterdir()) == 100 and len(list(data.iterdir())) == 10
-    assert small_images(data, 100) == data and not (tmp_path / "images.partial").exists()  # made once
-    parts = startup_parts(data)  # asserts itself that the warm check decoded nothing
-    assert parts["checked_images_mb"] > 0 and parts["split_pickled_mb"] > 0  # (timings too short to compare)
-    assert parts["decoded_gb"] == 100 * 32 * 32 * 3 / 1e9  # every image decoded once into memory, at full size
-    row = {"images": 100, "first_step_cold_s": 9.0, "first_step_warm_s": 8.0, **parts}
-    row |= {"decode_2_each_s": 0.5, "decode_2_shared_s": 0.3}  # (decoding_in_two_processes: tools/benchmark.py)
-    assert startup_table([row]).splitlines()[2].startswith("| 100 | 9.0 | 8.0 |")
+    startup_benchmark([100], tmp_path / "out", "cpu", folders=tmp_path)
+    [row] = json.loads((tmp_path / "out" / "startup.json").read_text())["rows"]
+    logs = tmp_path / "out" / "logs"
+    assert "decoded once into the store" in (logs / "startup-100-first.log").read_text()
+    assert f"Images: {row['images']} from the store" in (logs / "startup-100-second.log").read_text()
+    assert "(--store-dir off)" in (logs / "startup-100-off.log").read_text()
+    assert 95 <= row["images"] <= 105 and row["store_gb"] > 0 and row["build_share"] > 0 and row["rss_anon_mb"] > 0
+    assert startup_table([row]).splitlines()[2].startswith(f"| {row['images']} | ")
 
 
 @pytest.mark.fast
 def test_the_time_to_the_first_step_stops_at_the_progress_bar_and_kills_the_run(tmp_path):
     bar_then_wait = "import time; print('loading'); print('[epoch 0] train:   0%', flush=True); time.sleep(60)"
-    seconds = seconds_to_first_step([sys.executable, "-c", bar_then_wait], tmp_path / "log")
-    assert 0 < seconds < 30 and "[epoch 0] train" in (tmp_path / "log").read_text()
+    seconds, memory = seconds_to_first_step([sys.executable, "-c", bar_then_wait], tmp_path / "log")
+    assert 0 < seconds < 30 and memory > 0 and "[epoch 0] train" in (tmp_path / "log").read_text()
     with pytest.raises(UserError, match="ended before its first step"):
         seconds_to_first_step([sys.executable, "-c", "print('no step')"], tmp_path / "log")
 

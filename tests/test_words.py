@@ -26,6 +26,7 @@ EXTERNAL_FLAGS = {
     "--dist",
 }  # fmt: skip
 EXTERNAL_NAMES = {"bf16_compress_hook", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"}
+EXTERNAL_FILES = {"train.py"}  # timm's, at the top of a pytorch-image-models checkout (the benchmark's timm row)
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9](?![\w-])")
 
 
@@ -105,7 +106,12 @@ def defined_in(module: Path) -> frozenset[str]:
 
 def file_exists(name: str, near: Path = ROOT) -> bool:
     """A path from the root, from tests/ or from `near`'s folder; or the name of one file of the project."""
-    if (ROOT / name).exists() or (ROOT / "tests" / name).exists() or (near.parent / name).exists():
+    if (
+        name in EXTERNAL_FILES
+        or (ROOT / name).exists()
+        or (ROOT / "tests" / name).exists()
+        or (near.parent / name).exists()
+    ):
         return True
     return "/" not in name and any(path.name == name for path in tracked(name))
 

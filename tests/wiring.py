@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
+from dataset.store import StoredImages, store_folder
+from dataset.transforms import decode_sides
 from multi_train_utils.distributed_utils import Process
 from multi_train_utils.train_eval_utils import Choice, Training
 from run.config import Config
@@ -53,16 +55,29 @@ def run_statements(script: str, first: str, last: str, **names) -> dict:
     return namespace
 
 
-def loaders(split, img_size: int, batch_size: int, seed: int, world_size=1, rank=0, choice=Choice(), **augment):
+def loaders(split, img_size: int, batch_size: int, seed: int, world_size=1, rank=0, choice=Choice(), stored=True,
+            **augment):  # fmt: skip
     """(training loader, validation loader) of process `rank` of `world_size` as the torchrun script builds them,
-    with `choice` (its workers, and where batches are made: on the device, the CPU here), the augmentation flags
-    `augment` (auto_augment, random_erase)."""
+    with `choice` (its workers, and where batches are made: on the device, the CPU here), the images in the image
+    store (`stored`: as a run makes it, in the session's store folder) or read from their files, the augmentation
+    flags `augment` (auto_augment, random_erase)."""
     config = Config(img_size=img_size, batch_size=batch_size, seed=seed, **augment)
-    process, plan = Process(rank, world_size), SimpleNamespace(split=split)
+    process, plan = Process(rank, world_size), planned(split, config, stored)
     built = run_statements(LAUNCH, "train_set", "train_set", config=config, plan=plan, process=process)
     built = run_statements(LAUNCH, "batches", "train_loader", config=config, plan=plan, process=process, device=CPU,
                            choice=choice, train_set=built["train_set"], val_set=built["val_set"])  # fmt: skip
     return built["train_loader"], built["val_loader"]
+
+
+def planned(split, config: Config, stored: bool = True) -> SimpleNamespace:
+    """What my_dataset.datasets reads of a run's plan: `split`, and its image store (`stored`: as a run makes it, in
+    the session's store folder) or none."""
+    plan = SimpleNamespace(split=split, store=None, images_line="")
+    if stored:
+        images = StoredImages(store_folder(None), decode_sides(config.img_size), None, fallback=None)
+        images(split.train_images + split.val_images)
+        plan.store, plan.images_line = images.path, images.line
+    return plan
 
 
 def model_as_trained(num_classes: int, choice=Choice(), sync_bn=False, distributed=False, compile=False, **options):

@@ -24,15 +24,16 @@ STEP = {
 # Where its batch comes from, on either path: made on the device, or by loader processes
 BATCH = {
     "device": {
-        "dataset/on_device.py": ["TrainingBatches.__iter__", "TrainingBatches.plan", "TrainingBatches.crops",
-                                 "resized_crops", "resampled_by_matrices", "resampling_weights"],
+        "dataset/on_device.py": ["TrainingBatches.__iter__", "TrainingBatches.plan", "TrainingBatches.gather",
+                                 "TrainingBatches.crops", "TrainingBatches.stream", "TrainingBatches.arrived",
+                                 "gather_boxes", "resampled_by_matrices", "resampling_weights"],
         "dataset/transforms.py": ["normalise_pixels"],
         "dataset/crop_boxes.py": ["mt19937_words", "uniform", "draw", "close_to_half"],
         "dataset/sampling.py": ["SeededBatchSampler.__iter__", "sample_seeds", "seed_hash", "seed_mix"],
     },
     "loader": {
         "my_dataset.py": ["EpochsAhead.__iter__", "MyDataSet.__getitem__"],
-        "dataset/in_memory.py": ["DecodedImages.__getitem__"],
+        "dataset/store.py": ["DecodedImages.__getitem__"],
         "dataset/sampling.py": ["SeededBatchSampler.__iter__", "sample_seeds", "seed_hash", "seed_mix"],
     },
 }  # fmt: skip

@@ -18,8 +18,8 @@ from torchvision.datasets import ImageFolder
 from autotune.timing import synchronize
 from dataset.transforms import IMAGENET_MEAN, IMAGENET_STD
 from model import initial_model
-from multi_train_utils.distributed_utils import Process, shuffled_batches, single_process
-from multi_train_utils.train_eval_utils import Choice, Training, train_one_epoch
+from multi_train_utils.distributed_utils import shuffled_batches, single_process
+from multi_train_utils.train_eval_utils import Choice, Training, evaluate, train_one_epoch
 from my_dataset import datasets, loaders
 from recipe.optimizer import build_optimizer
 from run.metrics import peak_memory
@@ -92,7 +92,7 @@ def _loader(queue, config, plan, workers: int, images: int, start_method: str) -
     images in whole rounds of `workers` batches (the workers deliver in turn), after the workers' start."""
     multiprocessing.set_start_method(start_method, force=True)
     device = torch.device(config.device)
-    train_set, val_set, decoded = datasets(plan.split, config, Process(device=device))
+    train_set, val_set, _ = datasets(plan, config)
     batches = shuffled_batches(train_set, config.batch_size, config.seed)
     train_loader, _ = loaders(train_set, val_set, batches, range(len(val_set)), config, Choice(workers=workers), device)
     batches = batches_over_epochs(train_loader)
@@ -102,7 +102,7 @@ def _loader(queue, config, plan, workers: int, images: int, start_method: str) -
     start = time.perf_counter()
     loaded = sum(len(next(batches)[1]) for _ in range(rounds * workers))
     seconds, cpu = time.perf_counter() - start, peak_memory(torch.device("cpu"))
-    queue.put({"img_per_sec": loaded / seconds, "workers": workers, "decoded": decoded, **cpu})
+    queue.put({"img_per_sec": loaded / seconds, "workers": workers, "stored": plan.store is not None, **cpu})
 
 
 def batches_over_epochs(loader):
@@ -112,33 +112,57 @@ def batches_over_epochs(loader):
         yield from loader
 
 
-def peer_rows(args, config, choice: Choice, peaks: dict, flops: float):
+def peer_rows(args, config, choice: Choice, split, peaks: dict, flops: float):
     if "peer" not in args.rows:
         return
-    measured = in_fresh_process("peer", _peer, config, args.data_path, choice, args.epochs)
+    measured = in_fresh_process("peer", _peer, config, args.data_path, split, choice, args.epochs, args.output_dir)
     name = f"peer-style: ImageFolder, PIL, {worker_phrase(measured['workers'])}, pinned"
     yield trained_row(name, "peer", 1, choice, measured, peaks, flops)
 
 
-def _peer(queue, config, data_path, choice: Choice, epochs: int) -> None:
-    """In a fresh process: images per second of train_one_epoch fed by a torchvision-style loader, after epoch 0."""
+def _peer(queue, config, data_path, split, choice: Choice, epochs: int, output_dir) -> None:
+    """In a fresh process: a whole run as torchvision's references make one, on the scripts' split: each epoch
+    train_one_epoch fed by an ImageFolder loader, validation, and a checkpoint of model and optimizer saved in the
+    loop. Images per second of the epochs after the first; run_seconds, the whole (torch already imported)."""
+    started = time.perf_counter()
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = single_process(config.device).device
     augment = T.Compose([T.RandomResizedCrop(config.img_size), T.RandomHorizontalFlip(), T.ToTensor(),
                          T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])  # fmt: skip
-    dataset = ImageFolder(data_path, transform=augment)
+    resize = T.Compose([T.Resize(config.img_size * 256 // 224), T.CenterCrop(config.img_size), T.ToTensor(),
+                        T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])  # fmt: skip
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    loader = DataLoader(dataset, config.batch_size, shuffle=True, num_workers=cores, drop_last=True,
-                        pin_memory=device.type == "cuda", persistent_workers=True)  # fmt: skip
-    training = training_for(config, choice, device, len(dataset.classes), len(loader))
-    images_seen, seconds = 0, 0.0
+    pin = device.type == "cuda"
+    train_set, val_set = (
+        image_folder(data_path, augment, split.train_images),
+        image_folder(data_path, resize, split.val_images),
+    )
+    loader = DataLoader(train_set, config.batch_size, shuffle=True, num_workers=cores, drop_last=True,
+                        pin_memory=pin, persistent_workers=True)  # fmt: skip
+    val_loader = DataLoader(val_set, config.batch_size, num_workers=cores, pin_memory=pin, persistent_workers=True)
+    training = training_for(config, choice, device, len(train_set.classes), len(loader))
+    images_seen, seconds, out = 0, 0.0, output_dir / "runs" / "peer"
+    out.mkdir(parents=True, exist_ok=True)
     for epoch in range(epochs):
         start = time.perf_counter()
         _, images = train_one_epoch(training, loader, device, epoch)
         synchronize(device)
         images_seen += images if epoch else 0
         seconds += time.perf_counter() - start if epoch else 0.0
-    queue.put({"img_per_sec": images_seen / seconds, "workers": cores, **peak_memory(device)})
+        evaluate(training.model, val_loader, device, len(train_set.classes), choice)
+        state = {"model": training.model.state_dict(), "optimizer": training.optimizer.state_dict(), "epoch": epoch}
+        torch.save(state, out / "checkpoint.pth")
+    run_seconds = time.perf_counter() - started
+    queue.put({"img_per_sec": images_seen / seconds, "workers": cores, "run_seconds": run_seconds,
+               **peak_memory(device)})  # fmt: skip
+
+
+def image_folder(data_path, transform, images: list[str]) -> ImageFolder:
+    """torchvision's ImageFolder of `data_path` holding `images` alone (a part of the scripts' split)."""
+    wanted = {os.path.normpath(image) for image in images}
+    return ImageFolder(
+        data_path, transform, is_valid_file=lambda path: os.path.normpath(path) in wanted, allow_empty=True
+    )
 
 
 def in_fresh_process(name: str, target, *args) -> dict:

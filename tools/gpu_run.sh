@@ -17,7 +17,7 @@ SUMMARY=$OUT/summary.log
 export PYTHONUNBUFFERED=1
 # The first of the next session's two commands (docs/gpu-runs.md, "The next GPU session"), with GPU_RUN_BUDGET=330
 DEFAULT_STEPS=(
-    "tests device 100 tests/test_host_syncs.py tests/test_gpu.py -m gpu -k 'host_sync or made_on_the_gpu'"
+    "tests device 100 tests/test_host_syncs.py tests/test_gpu.py -m gpu -k 'host_sync or made_on_the_gpu or streamed_to'"
     "run e30 60 train_single_gpu.py --epochs 30 --batch-size 256 --amp bf16 --channels-last --workers 0 --batches device"
     "bench b256 170 --batch-size 256 --rows model-only,paths,profile,auto --profile-steps 11"
 )

@@ -1,13 +1,15 @@
-"""Start-up against the size of the data (tools/benchmark.py --startup-sizes 1000,10000,100000): for each size, the
-seconds until train_single_gpu.py's first step, cold and restarted, and the parts that grow with the data.
-docs/performance.md ("Start-up") says what each column measures.
+"""Start-up against the size of the data (tools/benchmark.py --startup-sizes 5000,20000): for each size, a folder of
+photo-like JPEGs, and the seconds until train_single_gpu.py's first step for a first run (which builds the image
+store), a second run (which maps it) and a run without a store; the store's build rate against the cores' summed
+decoding rate, its size, and the second run's own memory. docs/performance.md ("Start-up") says what each column
+measures.
 """
 
 import argparse
 import datetime
-import json
+import io
 import os
-import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -17,41 +19,33 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from PIL import Image
 
+from dataset.demo import FLOWER_PHOTOS, make_demo_data
 from dataset.folders import read_split_data, split_fingerprint
-from dataset.image_check import CHECKED_IMAGES, ImageCheck
-from dataset.in_memory import decode_here, decode_once
-from dataset.transforms import train_transform, val_transform
-from machine import cores_per_process, describe_cpu
-from multi_train_utils.distributed_utils import Process, wait_for_all
-from multi_train_utils.spawn_utils import find_free_port
-from my_dataset import MyDataSet
+from dataset.images import capped, decoded_size, load_rgb
+from dataset.transforms import decode_sides
+from machine import available_cores, describe_cpu
+from run.config import Config
 from utils import UserError, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(tempfile.gettempdir()) / "benchmark_startup"
-CLASSES = 10
 FIRST_STEP = b"[epoch 0] train"  # train_one_epoch's progress bar, shown as its loop asks for the first batch
 # Every choice given, so that auto does not measure: its measuring is a cost of the machine, not of the data
-IMG_SIZE = 32
-FLAGS = ["--img-size", str(IMG_SIZE), "--batch-size", "8", "--epochs", "1", "--workers", "0", "--amp", "off",
-         "--no-channels-last"]  # fmt: skip
+FLAGS = ["--batch-size", "32", "--epochs", "1", "--workers", "0", "--amp", "off", "--no-channels-last"]
+SAMPLE = 200  # images decoded in this process, on one core, for the cores' summed rate
 COLUMNS = {  # a row's key: the table's heading, the figure's format
-    "images": ("images", ","), "first_step_cold_s": ("to first step, cold (s)", ".1f"),
-    "first_step_warm_s": ("warm (s)", ".1f"), "listing_s": ("listing (s)", ".2f"),
-    "check_cold_s": ("check, cold (s)", ".2f"), "check_warm_s": ("check, warm (s)", ".2f"),
-    "split_fingerprint_s": ("split_fingerprint (s)", ".2f"), "decode_once_s": ("decode once (s)", ".2f"),
-    "decoded_gb": ("decoded (GB)", ".2f"), "decode_2_each_s": ("2 processes: each decodes (s)", ".2f"),
-    "decode_2_shared_s": ("2 processes: decoded once (s)", ".2f"),
-    "checked_images_mb": ("checked_images.json (MB)", ".1f"), "split_pickled_mb": ("split pickled (MB)", ".1f"),
+    "images": ("images", ","), "first_run_s": ("first run: to first step (s)", ".1f"),
+    "second_run_s": ("second run (s)", ".1f"), "no_store_s": ("--store-dir off (s)", ".1f"),
+    "build_s": ("store built (s)", ".1f"), "build_share": ("build rate / cores' decode rate", ".2f"),
+    "store_gb": ("store (GB)", ".2f"), "rss_anon_mb": ("second run's own memory (MB)", ".0f"),
+    "listing_s": ("listing (s)", ".2f"), "split_fingerprint_s": ("split_fingerprint (s)", ".2f"),
 }  # fmt: skip
 
 
 def image_counts(text: str) -> list[int]:
-    """argparse type: "1000,10000,100000" as [1000, 10000, 100000], each at least 100."""
+    """argparse type: "5000,20000" as [5000, 20000], each at least 100."""
     try:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
@@ -61,107 +55,120 @@ def image_counts(text: str) -> list[int]:
     return counts
 
 
-def startup_benchmark(counts: list[int], output_dir: Path, device: str) -> None:
-    """Measure start-up at each of `counts` images; print the table and write `output_dir`/startup.json."""
+def startup_benchmark(counts: list[int], output_dir: Path, device: str, folders: Path = DATA) -> None:
+    """Measure start-up at each of `counts` images (their folders made once in `folders`); print the table and
+    write `output_dir`/startup.json."""
     if (output_dir / "startup.json").exists():
         raise UserError(f"{output_dir} already holds a start-up benchmark: choose another --output-dir or remove it")
     machine = f"{describe_cpu()}; {device}"
     print(f"Start-up benchmark: train_single_gpu.py {' '.join(FLAGS)} --device {device}\nMachine: {machine}")
     rows = []
     for count in counts:
-        data = small_images(DATA / f"{count}_images_32px", count)
-        row = {"images": count, **startup_parts(data), **decoding_in_two_processes(data)}
-        run = output_dir / "startup-runs" / str(count)
-        command = [sys.executable, str(ROOT / "train_single_gpu.py"), "--data-path", str(data), *FLAGS,
-                   "--device", device, "--output-dir", str(run)]  # fmt: skip
-        row["first_step_cold_s"] = seconds_to_first_step(command, output_dir / "logs" / f"startup-{count}-cold.log")
-        written = (run / CHECKED_IMAGES).stat().st_mtime_ns
-        command.append("--auto-resume")
-        row["first_step_warm_s"] = seconds_to_first_step(command, output_dir / "logs" / f"startup-{count}-warm.log")
-        assert (run / CHECKED_IMAGES).stat().st_mtime_ns == written, "the restart decoded images"
+        data = photo_like_images(folders / f"{count}_photos", count)
+        stores = output_dir / "startup-stores" / str(count)
+        shutil.rmtree(stores, ignore_errors=True)  # the first run builds it
+        env = {"FLOWERS_STORE_DIR": str(stores)}
+
+        logs = output_dir / "logs"
+        runs = output_dir / "startup-runs" / str(count)
+        command = [sys.executable, str(ROOT / "train_single_gpu.py"), "--data-path", str(data), *FLAGS, "--device",
+                   device, "--output-dir"]  # fmt: skip
+        first, _ = seconds_to_first_step([*command, runs / "first"], logs / f"startup-{count}-first.log", env)
+        second, memory = seconds_to_first_step([*command, runs / "second"], logs / f"startup-{count}-second.log", env)
+        off = [*command, runs / "off", "--store-dir", "off"]
+        no_store, _ = seconds_to_first_step(off, logs / f"startup-{count}-off.log")
+        built = re.search(
+            r"\(([\d.]+) GB[^)]*?, ([\d.]+) s, (\d+) processes\)", (logs / f"startup-{count}-first.log").read_text()
+        )
+        if built is None:
+            raise UserError(f"the first run did not build the image store: see {logs / f'startup-{count}-first.log'}")
+        gigabytes, build, processes = float(built[1]), float(built[2]), int(built[3])
+        row = {"images": count, **listing_parts(data), "first_run_s": first, "second_run_s": second,
+               "no_store_s": no_store, "build_s": build, "store_gb": gigabytes, "rss_anon_mb": memory}  # fmt: skip
+        row["build_share"] = row["images"] / build / (processes / decode_seconds(data))  # (the cores' summed rate)
         rows.append(row)
-        print(f"  {count} images: {row['first_step_cold_s']:.1f} s cold, {row['first_step_warm_s']:.1f} s warm")
+        print(f"  {row['images']} images: first run {first:.1f} s, second {second:.1f} s, no store {no_store:.1f} s")
     record = {"machine": machine, "date": datetime.date.today().isoformat(), "torch": torch.__version__}
-    write_json(output_dir / "startup.json", {**record, "flags": FLAGS, "rows": rows})
-    print("\n" + startup_table(rows) + f"\n\nWrote {output_dir / 'startup.json'}")
+    formats = store_formats(data)
+    write_json(output_dir / "startup.json", {**record, "flags": FLAGS, "rows": rows, "formats": formats})
+    print("\n" + startup_table(rows) + "\n\nThe store's formats, on one core, at the last size's images:")
+    for row in formats:
+        print(
+            f"  {row['format']}: {row['kb_an_image']:.1f} KB an image, made in {row['build_ms']:.2f} ms, read back "
+            f"in {row['read_ms']:.3f} ms"
+        )
+    print(f"\nWrote {output_dir / 'startup.json'}")
 
 
-def small_images(folder: Path, count: int) -> Path:
-    """`folder`, holding `count` 32x32 JPEGs in CLASSES class folders, made whole the first time."""
-    if folder.exists():
-        return folder
-    print(f"  generating {count} images into {folder} (once)", flush=True)
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    rng = np.random.default_rng(count)
-    colours = rng.integers(40, 216, size=(CLASSES, 1, 1, 3))
-    for label in range(CLASSES):
-        (partial / f"class{label:02d}").mkdir(parents=True)
-    for i in range(count):
-        label = i % CLASSES
-        pixels = np.clip(colours[label] + rng.integers(-40, 41, size=(32, 32, 3)), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(partial / f"class{label:02d}" / f"{i:07d}.jpg", quality=90)
-    partial.rename(folder)
-    return folder
+def photo_like_images(folder: Path, count: int) -> Path:
+    """`folder`, holding about `count` photo-like JPEGs in flower_photos' classes and proportions, made once."""
+    scale = count / sum(FLOWER_PHOTOS.values())
+    counts = {kind: max(1, round(n * scale)) for kind, n in FLOWER_PHOTOS.items()}
+    if not folder.exists():
+        print(f"  generating {sum(counts.values())} photo-like JPEGs into {folder} (once)", flush=True)
+    return make_demo_data(folder, counts, photo_like=True, workers=available_cores())
 
 
-def startup_parts(data: Path) -> dict:
-    """The parts of start-up that grow with the data, each timed once in this process."""
-    with tempfile.TemporaryDirectory() as run:
-        listing, _ = timed(read_split_data, data)
-        cold_check = ImageCheck(data, Path(run))
-        cold, split = timed(read_split_data, data, verify_images=cold_check)
-        cold_check.save(Path(run))
-        warm_check = ImageCheck(data, Path(run))
-        warm, _ = timed(read_split_data, data, verify_images=warm_check)
-        assert cold_check.decoded == len(split.train_images) + len(split.val_images) and warm_check.decoded == 0
-        fingerprint, _ = timed(split_fingerprint, split, data)
-        sets = training_sets(split, IMG_SIZE)
-        decoding, line = timed(decode_once, sets, None)
-        if any(data.decoded is None for data in sets):
-            raise UserError(f"the start-up benchmark's images were not decoded into memory: {line}")
-        return {
-            "listing_s": listing, "check_cold_s": cold, "check_warm_s": warm, "split_fingerprint_s": fingerprint,
-            "decode_once_s": decoding, "decoded_gb": sum(data.decoded.pixels.numel() for data in sets) / 1e9,
-            "checked_images_mb": (Path(run) / CHECKED_IMAGES).stat().st_size / 1e6,
-            "split_pickled_mb": len(pickle.dumps(split)) / 1e6,
-        }  # fmt: skip
-
-
-def decoding_in_two_processes(data: Path, img_size: int = IMG_SIZE) -> dict:
-    """Seconds until two processes of a gloo group both hold every image of `data` decoded, each decoding all of them
-    on its half of the cores (decode_here), and the first decoding them for both (decode_once)."""
-    with tempfile.TemporaryDirectory() as folder:
-        where = (find_free_port(), data, img_size, Path(folder))
-        mp.start_processes(decode_in_rank, args=where, nprocs=2, start_method="spawn")
-        seconds = [json.loads((Path(folder) / f"{rank}.json").read_text()) for rank in range(2)]
-    return {key: max(rank[key] for rank in seconds) for key in ("decode_2_each_s", "decode_2_shared_s")}
-
-
-def decode_in_rank(rank: int, port: int, data: Path, img_size: int, folder: Path) -> None:
-    """Process `rank` of decoding_in_two_processes: its seconds, each way, to folder/<rank>.json."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def decode_seconds(data: Path) -> float:
+    """Seconds one core takes to decode an image of `data` as the store does (once for each shape it takes at a run's
+    decode sizes), over SAMPLE images."""
+    split = read_split_data(data)
+    paths = (split.train_images + split.val_images)[:SAMPLE]
+    sides = decode_sides(Config.default("img_size"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        split = read_split_data(data)
-
-        def decoded(decode, *args) -> float:
-            sets = training_sets(split, img_size)
-            wait_for_all()
-            seconds, _ = timed(lambda: (decode(sets, None, *args), wait_for_all()))
-            assert all(data.decoded is not None for data in sets), "the images were not decoded into memory"
-            return seconds
-
-        each = decoded(decode_here, 2, cores_per_process(2))
-        shared = decoded(decode_once, Process(rank, 2, rank, 2))
-        write_json(folder / f"{rank}.json", {"decode_2_each_s": each, "decode_2_shared_s": shared})
+        start = time.perf_counter()
+        for path in paths:
+            shapes = {decoded_size(path, side): side for side in reversed(sides)}  # (the store decodes each once)
+            for side in shapes.values():
+                load_rgb(path, side).tobytes()
+        return (time.perf_counter() - start) / len(paths)
     finally:
-        dist.destroy_process_group()
+        torch.set_num_threads(threads)
 
 
-def training_sets(split, img_size: int) -> list[MyDataSet]:
-    return [MyDataSet(split.train_images, split.train_labels, train_transform(img_size)),
-            MyDataSet(split.val_images, split.val_labels, val_transform(img_size))]  # fmt: skip
+def store_formats(data: Path, side: int = 256, quality: int = 90) -> list[dict]:
+    """The store's candidate formats on SAMPLE images of `data`, each on one core: the bytes an image takes, the
+    milliseconds to make it from its file (once, building the store) and to read it back as pixels (every epoch).
+    Raw pixels as the store keeps them; JPEG re-encoded with its shorter side at most `side`; the files as they are."""
+    split = read_split_data(data)
+    paths = (split.train_images + split.val_images)[:SAMPLE]
+    min_side = decode_sides(Config.default("img_size"))[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        build, decoded = timed(lambda: [load_rgb(path, min_side) for path in paths])
+        raw = [image.tobytes() for image in decoded]
+        encode, jpegs = timed(lambda: [encoded(image, side, quality) for image in decoded])
+        read_raw, _ = timed(lambda: [np.frombuffer(pixels, np.uint8).copy() for pixels in raw])
+        read_jpeg, _ = timed(lambda: [Image.open(io.BytesIO(jpeg)).convert("RGB").tobytes() for jpeg in jpegs])
+    finally:
+        torch.set_num_threads(threads)
+    milliseconds = 1000 / len(paths)
+    files = [Path(path).read_bytes() for path in paths]
+    rows = [("raw 8-bit pixels", raw, build, read_raw),
+            (f"JPEG, shorter side {side}, quality {quality}", jpegs, build + encode, read_jpeg),
+            ("the files as they are", files, 0, build)]  # fmt: skip
+    return [{"format": name, "kb_an_image": sum(map(len, kept)) / len(kept) / 1000, "build_ms": made * milliseconds,
+             "read_ms": read * milliseconds} for name, kept, made, read in rows]  # fmt: skip
+
+
+def encoded(image, side: int, quality: int) -> bytes:
+    """`image` as a JPEG of its shorter side at most `side`."""
+    height, width = capped((image.height, image.width), side)
+    out = io.BytesIO()
+    image.resize((width, height), Image.Resampling.LANCZOS).save(out, "JPEG", quality=quality)
+    return out.getvalue()
+
+
+def listing_parts(data: Path) -> dict:
+    """The images of `data`, and the parts of every start that grow with them: listing the folder, and
+    fingerprinting its split."""
+    listing, split = timed(read_split_data, data)
+    fingerprint, _ = timed(split_fingerprint, split, data)
+    images = len(split.train_images) + len(split.val_images)
+    return {"images": images, "listing_s": listing, "split_fingerprint_s": fingerprint}
 
 
 def timed(function, *args, **kwargs):
@@ -170,12 +177,13 @@ def timed(function, *args, **kwargs):
     return time.perf_counter() - start, result
 
 
-def seconds_to_first_step(command: list[str], log: Path) -> float:
-    """Seconds from starting `command` until it prints FIRST_STEP; then it is killed, its output in `log`."""
+def seconds_to_first_step(command: list[str], log: Path, env: dict | None = None) -> tuple[float, float | None]:
+    """(seconds from starting `command` until it prints FIRST_STEP, the MB of its own memory then: RssAnon, None
+    where the system does not say); then it is killed, its output in `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
     output = b""
     try:
         while FIRST_STEP not in output:
@@ -185,11 +193,21 @@ def seconds_to_first_step(command: list[str], log: Path) -> float:
                 status = process.returncode
                 raise UserError(f"{command[1]} ended before its first step (exit status {status}); see {log}")
             output += chunk
-        return time.perf_counter() - start
+        return time.perf_counter() - start, own_memory(process.pid)
     finally:
         process.kill()
         process.wait()
         log.write_bytes(output)
+
+
+def own_memory(pid: int) -> float | None:
+    """MB of the process's own memory (RssAnon: not the files it maps, such as the image store)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"RssAnon:\s+(\d+) kB", status)
+    return None if found is None else int(found[1]) / 1024
 
 
 def startup_table(rows: list[dict]) -> str:
