@@ -42,6 +42,29 @@ def safe_load(path, what: str, if_damaged: str = "copy it again from where it ca
         raise UserError(f"{what} {path} cannot be read as a PyTorch file ({type(error).__name__}: {line})") from None
 
 
+# A checkpoint's part kept in a weights file of its own (multi_train_utils/checkpoint.py, save_epoch): {WEIGHTS_FILE:
+# its path from the checkpoint's folder, "prefix": put back before its names, and the part's other entries}
+WEIGHTS_FILE = "weights_file"
+
+
+def with_weights(state: dict, path) -> dict:
+    """A checkpoint read from `path` with each part kept in a weights file of its own read back into it; an earlier
+    checkpoint, which holds its weights, as it is. The files sit beside the checkpoint's own (a link's target)."""
+    return {part: followed(value, path) for part, value in state.items()}
+
+
+def followed(part, path):
+    """`part` of the checkpoint at `path`, read from its own weights file where it names one."""
+    if not isinstance(part, dict) or not isinstance(part.get(WEIGHTS_FILE), str):
+        return part
+    rest = dict(part)
+    name, prefix = rest.pop(WEIGHTS_FILE), rest.pop("prefix", "")
+    weights = safe_load(Path(path).resolve().parent / name, f"weights file of checkpoint {path}:")
+    if not isinstance(weights, dict):
+        raise UserError(f"weights file {name} of checkpoint {path} does not hold a state dict")
+    return {prefix + key: tensor for key, tensor in weights.items()} | rest
+
+
 # How a PyTorch file begins: torch.save's zip archive (since torch 1.6), its older format (a pickle of protocol 2
 # or later), or the oldest (a tar archive, "ustar" at bytes 257-261)
 ZIP_MAGIC, PICKLE_MAGIC, TAR_MAGIC_END = b"PK\x03\x04", b"\x80", 262

@@ -1,12 +1,15 @@
 """Saving and loading the full training state, so that a run killed at any moment continues where it stopped: only
-tensors and plain data (loading never runs code), written atomically (a crash leaves the previous checkpoint)."""
+tensors and plain data (loading never runs code), written atomically (a crash leaves the previous checkpoint); an
+epoch's weights serialised once, in a file the checkpoint names and the other weights files link."""
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
-from read_back import NUMBER, misfits, safe_load
-from utils import UserError, in_brief, write_atomically
+from read_back import NUMBER, WEIGHTS_FILE, misfits, safe_load, with_weights
+from utils import UserError, atomic_file, in_brief, sync_folder, write_atomically, writing
 
 CHECKPOINT_NAME = "checkpoint.pth"
 CHECKPOINT_KEYS = {"epoch", "model", "optimizer", "scheduler", "best_acc", "classes", "world_size", "args"}
@@ -57,6 +60,7 @@ def load_checkpoint(path) -> dict:
     state = safe_load(path, "checkpoint", if_damaged=start_anew(path))
     if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
         raise UserError(f"{path} is not a training checkpoint of these scripts (weights only? use --weights)")
+    state = with_weights(state, path)
     damage = misfits(state, CHECKPOINT_SHAPE)
     if damage:
         raise UserError(f"checkpoint {path} is damaged ({'; '.join(damage)}): {start_anew(path)}")
@@ -86,14 +90,54 @@ def restore(state: dict, model, training, path=None) -> tuple[int, float]:
     return state["epoch"] + 1, state["best_acc"]
 
 
-def save_epoch(output_dir: Path, epoch: int, weights: dict, best: dict | None, state: dict, keep: bool = False) -> None:
-    """An epoch's weights (weights/last.pth, model-N.pth if `keep`, best.pth if `best`), as CPU tensors, then the
-    checkpoint, last, so that it never claims an epoch whose outputs are not all written."""
-    on_cpu = lambda tensors: {name: tensor.cpu() for name, tensor in tensors.items()}  # noqa: E731
-    weights = on_cpu(weights)
-    save_atomically(weights, output_dir / "weights" / "last.pth")
+# The checkpoint's parts whose weights an epoch keeps in files of their own, and the prefix their names lose there
+# (an EMA's names are its network's behind "module."), so that best.pth can be either file.
+SHARED = {"model": "", "ema": "module."}
+
+
+def save_epoch(output_dir: Path, epoch: int, state: dict, best: str | None = None, keep: bool = False) -> None:
+    """An epoch's files from its checkpoint's `state` (CPU tensors), each weight serialised once: the model's as
+    weights/last.pth, the EMA's as weights/.ema-N.pth; linked (link_or_copy) as weights/.model-N.pth, which the
+    checkpoint names and nothing replaces while it does, as model-N.pth if `keep`, and as best.pth from the part
+    `best` names ("model" or "ema") when it improved. Then the checkpoint, last, so that it never names a file not
+    yet written; then the files no checkpoint names any more (the last epoch's: best.pth may still link them)."""
+    folder, state, named = output_dir / "weights", dict(state), {}
+    for part, prefix in SHARED.items():
+        if state.get(part) is None:
+            continue
+        tensors, named[part] = state[part], folder / f".{part}-{epoch}.pth"
+        if part == "model":  # last.pth written first, the file a full disk's line names
+            save_atomically(tensors, folder / "last.pth")
+            link_or_copy(folder / "last.pth", named[part])
+        else:
+            save_atomically(
+                {key.removeprefix(prefix): v for key, v in tensors.items() if key.startswith(prefix)}, named[part]
+            )
+        rest = {key: value for key, value in tensors.items() if not key.startswith(prefix)}  # the EMA's count
+        state[part] = {WEIGHTS_FILE: f"weights/{named[part].name}", "prefix": prefix} | rest
     if keep:
-        save_atomically(weights, output_dir / "weights" / f"model-{epoch}.pth")
+        link_or_copy(named["model"], folder / f"model-{epoch}.pth")
     if best is not None:
-        save_atomically(on_cpu(best), output_dir / "weights" / "best.pth")
+        link_or_copy(named[best], folder / "best.pth")
+    sync_folder(folder)  # the links on disk before the checkpoint names them
     save_atomically(state, output_dir / CHECKPOINT_NAME)
+    for old in {path for part in SHARED for path in folder.glob(f".{part}-*.pth")} - set(named.values()):
+        old.unlink(missing_ok=True)
+
+
+def link_or_copy(source: Path, path: Path) -> None:
+    """Create or replace `path` with the file `source` atomically: a hard link, or a copy where the filesystem has
+    none (FAT, exFAT, some network filesystems refuse os.link: EPERM, EXDEV, ENOTSUP)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with writing(path):
+        try:
+            tmp.unlink(missing_ok=True)
+            os.link(source, tmp)
+        except OSError:
+            with atomic_file(path, binary=True) as copy, open(source, "rb") as original:
+                shutil.copyfileobj(original, copy)
+            return
+        try:
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # still there if it already was `path` (rename does nothing then)

@@ -14,7 +14,7 @@ from torch import nn
 from torchvision.models import get_model_weights
 
 from network.architectures import DEFAULT_MODEL, IMAGENET, TIMM, WRAPPER_PREFIXES, check_model_name, head_names, is_timm
-from read_back import safe_load
+from read_back import followed, safe_load
 from utils import UserError
 
 # Each connection attempt and read (torch.hub sets no timeout: a stalled read would hang for ever); pip's default.
@@ -109,7 +109,7 @@ def read_state_dict(path) -> dict:
     data = read_safetensors(path) if Path(path).suffix == ".safetensors" else safe_load(path, "weights file")
     for key in ("model", "state_dict"):
         if isinstance(data, dict) and isinstance(data.get(key), dict):
-            data = data[key]
+            data = followed(data[key], path)  # a checkpoint's weights, in it or in the file it names
             break
     if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise UserError(f"weights file {path} does not hold a state dict (a mapping of names to tensors)")

@@ -100,7 +100,7 @@ def resnet18_run(tiny_data, tmp_path_factory):
     write_json(run / "args.json", record)
     write_class_indices(classes, run)
     state = training_state(0, model, training, 0.5, classes, 1, record)
-    save_epoch(run, 0, model.state_dict(), model.state_dict(), state)
+    save_epoch(run, 0, state, best="model")
     return run
 
 

@@ -174,3 +174,20 @@ def test_the_targets_of_rows_not_measured_say_so():
     assert measured == ["auto's measuring took 4.0 s of its first run's 20 s (no target)"]
     assert len(lines) == 10  # every target, measured or not
     assert "| train_single_gpu.py, auto | 1 | float32, NCHW | 90.0 | – | 9% |" in benchmark.markdown_table([auto])
+
+
+def timm_line(epoch: int, step: int, steps: int, rate: float) -> str:
+    """A line of timm's train.py's log (its train_one_epoch's _logger.info), as it formats it."""
+    return (
+        f"INFO:train:Train: {epoch} [{step:>4d}/{steps} ({100.0 * (step + 1) / steps:>3.0f}%)]  Loss: 1.61 (1.62)  "
+        f"Time: 0.500s,   32.00/s  ({16 / rate:.3f}s, {rate:>7.2f}/s)  LR: 1.000e-05  Data: 0.010 (0.020)"
+    )
+
+
+@pytest.mark.fast
+def test_timms_rates_are_each_epochs_average_on_its_last_step():
+    log = "\n".join([timm_line(0, 0, 7, 9.5), timm_line(0, 6, 7, 20.25), timm_line(1, 0, 7, 11.0)])
+    log += "\n" + timm_line(1, 6, 7, 25.5) + "\nINFO:train:Test: [   0/2]  Time: 0.1 (0.1)"
+    assert script_rows.timm_rates(log, 2) == [20.25, 25.5]
+    with pytest.raises(UserError, match="logged no rate for some of its 3 epochs"):
+        script_rows.timm_rates(log, 3)

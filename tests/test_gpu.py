@@ -47,12 +47,15 @@ from conftest import (
     script_command,
     torchrun,
 )
+from wiring import planned
 
 from dataset.folders import read_split_data
 from dataset.transforms import IMAGENET_STD
 from multi_train_utils.distributed_utils import shuffled_batches
 from multi_train_utils.spawn_utils import find_free_port
+from multi_train_utils.train_eval_utils import Choice
 from my_dataset import TrainingBatches, datasets
+from read_back import with_weights
 from run.config import Config
 
 pytestmark = [
@@ -202,7 +205,7 @@ def metrics(out: Path) -> list[dict]:
 
 
 def load_on_cpu(path: Path):
-    return torch.load(path, weights_only=True, map_location="cpu")
+    return with_weights(torch.load(path, weights_only=True, map_location="cpu"), path)  # a checkpoint's, followed
 
 
 def assert_saved_weights_load_on_the_cpu(out: Path) -> None:
@@ -648,8 +651,8 @@ def test_batches_made_on_the_gpu_are_the_cpus_to_rounding_and_take_the_same_memo
     """dataset/on_device.py on CUDA (float16 resampling) against the same code on the CPU (float32), epoch after
     epoch: the same labels, images within a level of 255 of each other, in channels_last; and after the first
     epoch, the GPU's allocated memory is the same at every epoch's end (nothing kept from step to step)."""
-    split = read_split_data(tiny_data)
-    train_set, _, _ = datasets(split, Config(img_size=32, batch_size=8))
+    split, config = read_split_data(tiny_data), Config(img_size=32, batch_size=8)
+    train_set, _, _ = datasets(planned(split, config), config)
     made = {
         device: TrainingBatches(train_set, shuffled_batches(train_set, 8, 0), device, torch.channels_last)
         for device in ("cuda", "cpu")
@@ -661,7 +664,23 @@ def test_batches_made_on_the_gpu_are_the_cpus_to_rounding_and_take_the_same_memo
             batches.batch_sampler.set_epoch(epoch)
         for (gpu, gpu_labels), (cpu, cpu_labels) in zip(made["cuda"], made["cpu"], strict=True):
             assert gpu.is_cuda and gpu.dtype == torch.float32 and gpu.is_contiguous(memory_format=torch.channels_last)
+            cpu = Choice(channels_last=True).batch_to(cpu, "cpu")  # the CPU's are the loader's 8-bit bytes
             assert (gpu.cpu() - cpu).abs().max() <= level and torch.equal(gpu_labels, cpu_labels)
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     assert allocated[1] == allocated[2], allocated
+
+
+def test_batches_streamed_to_the_gpu_are_the_held_ones_bitwise_epoch_after_epoch(tiny_data):
+    """The same batches gathered from the store on the host and streamed (pinned, copied on a stream of their own,
+    waited for by the step's stream) as from the images held on the GPU: bitwise (the host's waits:
+    tests/test_host_syncs.py, on this GPU too)."""
+    split, config = read_split_data(tiny_data), Config(img_size=32, batch_size=8)
+    train_set, _, _ = datasets(planned(split, config), config)
+    made = [TrainingBatches(train_set, shuffled_batches(train_set, 8, 0), "cuda", torch.channels_last, streamed)
+            for streamed in (False, True)]  # fmt: skip
+    for epoch in range(2):
+        for batches in made:
+            batches.batch_sampler.set_epoch(epoch)
+        pairs = [(held.clone(), streamed.clone()) for (held, _), (streamed, _) in zip(*made, strict=True)]
+        assert len(pairs) == len(made[0]) and all(torch.equal(held, streamed) for held, streamed in pairs)

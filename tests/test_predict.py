@@ -14,6 +14,7 @@ from torchvision.models import get_model
 import predict
 from dataset.folders import read_split_data
 from dataset.transforms import val_transform
+from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.train_eval_utils import Choice
 from my_dataset import MyDataSet
 from network.architectures import create_model
@@ -129,7 +130,7 @@ def test_topk_is_capped_at_the_number_of_classes(folder_run):
 
 def test_a_checkpoint_on_its_own_carries_its_class_names_and_image_size(trained_run, run_args, folder_run, tmp_path):
     predictions = folder_run[1]
-    state = torch.load(trained_run[0] / "checkpoint.pth", weights_only=True)
+    state = load_checkpoint(trained_run[0] / "checkpoint.pth")
     torch.save(state["model"], tmp_path / "last.pth")
     expected = probabilities_in_process(tmp_path / "last.pth", list(predictions), run_args)
     for ranked, probabilities in zip(predictions.values(), expected, strict=True):

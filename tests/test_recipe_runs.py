@@ -37,6 +37,7 @@ from torchvision.models import get_model
 import evaluate
 import predict
 from dataset.folders import read_split_data
+from read_back import with_weights
 from run.config import parse_config
 
 MODELS = ["resnet18", "mobilenet_v3_small", "efficientnet_b0"]
@@ -67,7 +68,7 @@ def metrics(out) -> list[dict]:
 
 
 def checkpoint(path) -> dict:
-    return torch.load(path, weights_only=True)
+    return with_weights(torch.load(path, weights_only=True), path)  # a checkpoint's weights read from their files
 
 
 def assert_same_tensors(a: dict, b: dict) -> None:
@@ -105,7 +106,7 @@ def model_run(request, tiny_data, tmp_path_factory):
 def test_each_model_trains_and_its_weights_load_strictly_into_torchvisions_model(model_run):
     name, out = model_run
     assert json.loads((out / "args.json").read_text())["model"] == name
-    assert sorted(p.name for p in (out / "weights").iterdir()) == ["best.pth", "last.pth"]
+    assert sorted(p.name for p in (out / "weights").iterdir()) == [".model-0.pth", "best.pth", "last.pth"]
     best, last = (checkpoint(out / "weights" / f) for f in ("best.pth", "last.pth"))
     for weights in (best, last):
         get_model(name, num_classes=5).load_state_dict(weights, strict=True)
@@ -189,7 +190,7 @@ def ema_runs(tiny_data, tmp_path_factory):
     )  # fmt: skip
     assert stopped.returncode != 0 and "injected failure on rank 0 at epoch 1" in stopped.stderr, stopped.stderr
     assert checkpoint(tmp / "resumed" / "checkpoint.pth")["epoch"] == 0
-    (tmp / "epoch0").mkdir()
+    shutil.copytree(tmp / "resumed" / "weights", tmp / "epoch0" / "weights")  # the files the checkpoint names
     for name in ("checkpoint.pth", "weights/best.pth"):
         shutil.copy(tmp / "resumed" / name, tmp / "epoch0")
     resumed = train("train_single_gpu.py", tiny_data, tmp / "resumed", *EMA, "--auto-resume")
@@ -255,7 +256,8 @@ def retention_run(tiny_data, tmp_path_factory):
 
 def test_save_every_keeps_model_n_beside_best_and_last_and_nothing_more(retention_run):
     out, _ = retention_run
-    assert sorted(p.name for p in (out / "weights").iterdir()) == ["best.pth", "last.pth", "model-1.pth"]
+    names = ["best.pth", "last.pth", "model-1.pth", ".model-2.pth"]  # and the file the checkpoint names, hidden
+    assert sorted(p.name for p in (out / "weights").iterdir()) == sorted(names)
     state = checkpoint(out / "checkpoint.pth")
     assert state["epoch"] == 2
     assert_same_tensors(final_weights(out), state["model"])
