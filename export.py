@@ -113,13 +113,23 @@ def export_torchscript(model, example: torch.Tensor, metadata: dict) -> bytes:
     return buffer.getvalue()
 
 
-def onnx_runner(data: bytes):
-    """A function from a batch to the file's logits in onnxruntime (CPU), and the runtime's name; None without it."""
+def onnx_needs() -> bool:
+    """What the ONNX export needs beyond torch, checked before anything is loaded: onnxscript (else a UserError), and
+    onnxruntime for its check (False where it cannot be imported: the check alone is skipped, said in one warning)."""
+    if importlib.util.find_spec("onnxscript") is None:
+        raise UserError("ONNX export needs onnxscript (and onnx): pip install onnx onnxscript onnxruntime")
     try:
-        import onnxruntime
-    except ImportError:
-        warn("onnxruntime is not installed, so the ONNX file was not checked (pip install onnxruntime)")
-        return None, None
+        import onnxruntime  # noqa: F401
+    except ImportError as error:
+        warn(f"onnxruntime cannot be imported ({error}): the ONNX file will not be checked (pip install onnxruntime)")
+        return False
+    return True
+
+
+def onnx_runner(data: bytes):
+    """A function from a batch to the file's logits in onnxruntime (CPU), and the runtime's name."""
+    import onnxruntime
+
     session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
     run = lambda batch: torch.from_numpy(session.run(["logits"], {"images": batch.numpy()})[0])  # noqa: E731
     return run, f"onnxruntime {onnxruntime.__version__}"
@@ -164,8 +174,7 @@ def main(argv=None):
     output = output_path(args)
     if args.data_path is not None and not args.data_path.is_dir():
         raise UserError(f"--data-path {args.data_path} is not a folder")
-    if args.format == "onnx" and importlib.util.find_spec("onnxscript") is None:
-        raise UserError("ONNX export needs onnxscript (and onnx): pip install onnx onnxscript onnxruntime")
+    checked = onnx_needs() if args.format == "onnx" else True
     trained = load_trained_model(args.weights, args.class_indices, resolve_device(args.device), args.model)
     img_size = trained.setting("img_size", args.img_size)
     # float32 and NCHW whatever the run's --amp and --channels-last: no autocast here, and contiguous weights
@@ -178,7 +187,7 @@ def main(argv=None):
     example = torch.zeros(2, 3, img_size, img_size, device=trained.device)  # torch.export specialises batch 1
     if args.format == "onnx":
         data = export_onnx(model, example, metadata, describe_input(prep, trained.classes))
-        run, runtime = onnx_runner(data)
+        run, runtime = onnx_runner(data) if checked else (None, None)
     else:
         data = export_torchscript(model, example, metadata)
         run, runtime = torchscript_runner(data)

@@ -52,8 +52,8 @@ def entry_point(function):
         except UserError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             sys.exit(2)
-        except KeyboardInterrupt:
-            print("interrupted: the last checkpoint (if any) is intact; --resume continues from it", file=sys.stderr)
+        except KeyboardInterrupt as interrupt:  # a training run says what it saved and how to go on (RunLog)
+            print(f"interrupted: {interrupt}" if str(interrupt) else "interrupted", file=sys.stderr)
             sys.exit(130)
 
     return wrapper
@@ -114,10 +114,27 @@ class OutputError(UserError):
     replace, and everything written before, are left as they were."""
 
 
+@contextlib.contextmanager
+def writing(place, size: int | None = None):
+    """Inside, a refusal of the filesystem (an OSError, or an error raised while handling one, as torch.save and
+    TensorBoard's writer re-raise it) is an OutputError naming `place` (a file or folder) and the cause, with the
+    space free and needed (`size`) when it ran out: every write of the program goes through one."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except Exception as error:
+        reason = error
+        while reason is not None and not isinstance(reason, OSError):
+            reason = reason.__cause__ or reason.__context__
+        if reason is None:
+            raise
+        raise OutputError(write_failure(Path(place), reason, size)) from None
+
+
 def write_atomically(path, write, binary: bool = False, size: int | None = None) -> None:
     """Create or replace `path` with what write(file) writes, so that readers and crashes see either the old
-    file or the whole new one. A refusal of the filesystem (even re-raised as another type, as torch.save does)
-    is an OutputError naming the file, and the space free and needed (`size`) when it ran out."""
+    file or the whole new one; a refusal of the filesystem is an OutputError naming the file (writing)."""
     with atomic_file(path, binary, size) as f:
         write(f)
 
@@ -129,28 +146,27 @@ def atomic_file(path, binary: bool = False, size: int | None = None):
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8", errors=NAMES) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if os.name != "nt":  # Windows cannot open a folder to fsync it
-            folder = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(folder)  # make the rename itself durable
-            finally:
-                os.close(folder)
-    except Exception as error:
-        reason = error  # the OSError it is, or was raised while handling (torch.save re-raises as another type)
-        while reason is not None and not isinstance(reason, OSError):
-            reason = reason.__cause__ or reason.__context__
-        if reason is None:
-            raise
-        raise OutputError(write_failure(path, reason, size)) from None
+        with writing(path, size):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8", errors=NAMES) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            sync_folder(path.parent)  # make the rename itself durable
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def sync_folder(folder) -> None:
+    """fsync `folder`, so that the names just made in it survive a power cut (Windows cannot open a folder)."""
+    if os.name != "nt":
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def write_failure(path: Path, error: OSError, size: int | None = None) -> str:

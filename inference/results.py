@@ -1,6 +1,7 @@
 """The results file of predict.py and evaluate.py: one row per image, in the order of the images, as CSV or JSON
 Lines (the file's name says which; docs/trained-models.md has the columns). The rows stream into the file as they are
-scored (memory holds one batch of them), and it appears whole at the end or not at all (utils.atomic_file).
+scored (memory holds one batch of them), and it appears whole at the end or not at all (utils.atomic_file). The file is
+UTF-8: a name's bytes that are not are written as JSON's escapes (`text`, `name`).
 """
 
 import argparse
@@ -13,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils import NAMES, STOP_SIGNALS, atomic_file, check_new_file, positive_int
+from utils import STOP_SIGNALS, atomic_file, check_new_file, positive_int
 
 FORMATS = (".csv", ".jsonl")
 DECIMALS = 6  # of each probability: far below any difference between two classes worth reading
@@ -58,6 +59,23 @@ def check_results_file(path: Path | None, force: bool) -> None:
         check_new_file(path, "--results", force)
 
 
+def text(value) -> str:
+    """`value` as JSON text, UTF-8 throughout: a name's bytes that are not UTF-8 (lone surrogates, utils.NAMES) as
+    JSON's escapes \\udcXX, which json.loads turns back into the same str (os.fsencode: the same bytes)."""
+    return json.dumps(value, ensure_ascii=False).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def cell(name: str) -> str:
+    """A CSV cell for `name`: as it is, unless it is not UTF-8 or starts with a quote: then its JSON `text`."""
+    utf8 = name.encode("utf-8", "replace").decode("utf-8") == name  # (a lone surrogate is replaced)
+    return name if utf8 and not name.startswith('"') else text(name)
+
+
+def name(value: str) -> str:
+    """A name from its CSV cell, as docs/trained-models.md reads it."""
+    return json.loads(value) if value.startswith('"') else value
+
+
 class ResultsWriter:
     """Writes rows to an open text file, CSV or JSON Lines."""
 
@@ -74,11 +92,11 @@ class ResultsWriter:
             if self.jsonl:
                 record = {"path": row.path, "true_class": row.true_class, "classes": names,
                           "probabilities": probabilities, "unreadable": row.unreadable}  # fmt: skip
-                self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+                self.file.write(text(record) + "\n")
             else:
-                ranked = [value for pair in zip(names, probabilities, strict=True) for value in pair]
+                ranked = [value for pair in zip(map(cell, names), probabilities, strict=True) for value in pair]
                 ranked += [""] * (2 * self.topk - len(ranked))  # an unreadable image's classes: empty
-                self.csv.writerow([row.path, row.true_class or "", *ranked, row.unreadable or ""])
+                self.csv.writerow([cell(row.path), cell(row.true_class or ""), *ranked, cell(row.unreadable or "")])
         self.rows += len(rows)
 
 
@@ -121,16 +139,17 @@ def unwinding_on_stop_signals():
 
 def read_results(path: Path) -> list[dict]:
     """The rows of a results file, CSV or JSON Lines, each as JSON Lines writes it (None where a CSV cell is empty)."""
-    with open(path, encoding="utf-8", errors=NAMES, newline="") as file:
+    with open(path, encoding="utf-8", newline="") as file:
         if path.suffix.lower() == ".jsonl":
             return [json.loads(line) for line in file]
         rows = []
         for cells in csv.DictReader(file):
+            cells = {key: name(value) for key, value in cells.items()}
             ranks = range(1, sum(key.startswith("class_") for key in cells) + 1)
             ranked = [(cells[f"class_{r}"], cells[f"probability_{r}"]) for r in ranks if cells[f"class_{r}"]]
             rows.append({
                 "path": cells["path"], "true_class": cells["true_class"] or None,
-                "classes": [name for name, _ in ranked], "probabilities": [float(p) for _, p in ranked],
+                "classes": [class_ for class_, _ in ranked], "probabilities": [float(p) for _, p in ranked],
                 "unreadable": cells["unreadable"] or None,
             })  # fmt: skip
         return rows

@@ -65,7 +65,8 @@ def load_trained_model(
         classes, classes_from = checkpoint["classes"], f"checkpoint {weights}"
     else:
         raise UserError(f"no class names for {weights}: no class_indices.json beside it or in its run folder; "
-                        "pass --class-indices RUN/class_indices.json")  # fmt: skip
+                        "pass --class-indices RUN/class_indices.json, and the run's --model and --img-size where "
+                        "they are not the defaults")  # fmt: skip
     run_args, args_from, note = record_beside(weights, args_file, checkpoint)
     if not isinstance(run_args, dict):
         raise UserError(f"{args_from} does not hold the flags of a run (a JSON object)")

@@ -82,8 +82,8 @@ class EpochBooks:
         step_totals = sent.get()
         if not math.isfinite(step_totals[0]):
             raise NonFiniteLossError(
-                f"non-finite loss at epoch {self.epoch}: stopped; lower --lr or check the data "
-                "(the last checkpoint is from before this epoch)"
+                f"non-finite loss at epoch {self.epoch}: stopped, the last checkpoint is from before this epoch; "
+                "check the data"
             )
         for i in range(3):
             self.totals[i] += step_totals[i]

@@ -67,9 +67,6 @@ def out_of_memory(training, images: torch.Tensor):
     advice = (
         f"--micro-batch {fitting} fits now (or --micro-batch auto measures at the start)"
         if fitting
-        else "not even one image fits: a smaller --img-size, --grad-checkpointing or another device"
+        else "not even one image fits: --grad-checkpointing or another --device (a smaller --img-size is a new run)"
     )
-    raise OutOfMemory(
-        f"out of memory on {images.device} training micro-batches of {size} images: {advice}; "
-        "continue with --resume RUN/checkpoint.pth and that flag (the last epoch's checkpoint)"
-    )
+    raise OutOfMemory(f"out of memory on {images.device} training micro-batches of {size} images: {advice}")

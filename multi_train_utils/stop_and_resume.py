@@ -88,12 +88,9 @@ def save_step(log, model, training, stop: StopRequested) -> None:
     try:
         save_atomically(state | {"midway": stop.midway()}, log.checkpoint)
     except OutputError as error:
-        raise OutputError(f"{error}; stopped by a signal, the checkpoint of the last epoch is untouched") from None
-    print(
-        f"{stop}: saved in {log.checkpoint}; to continue from this step, run the same command with --auto-resume (or "
-        f"--resume {log.checkpoint})",
-        flush=True,
-    )
+        kept = "the last epoch's checkpoint is untouched"
+        raise OutputError(f"{error}; stopped by a signal, {kept}: once it can be written, {log.continuing()}") from None
+    print(f"{stop}: saved in {log.checkpoint}; to continue from this step, {log.continuing()}", flush=True)
 
 
 def resume_from(checkpoint: Path | None, model, training, epochs: int) -> tuple[int, float]:

@@ -1,6 +1,7 @@
 """The checked plan: what a run decides from its configuration before any training process starts (`prepare`),
 so that every mistake in the input ends here, in one line (docs/resuming-and-failures.md)."""
 
+import os
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -9,16 +10,19 @@ from pathlib import Path
 from dataset.demo import DEMO_DATA_PATH, make_demo_data
 from dataset.folders import DataSplit, read_split_data, split_fingerprint
 from dataset.image_check import ImageCheck
+from dataset.store import StoredImages, store_folder
+from dataset.transforms import decode_sides
 from model import check_input_size
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from multi_train_utils.distributed_utils import check_backend, launcher_environment
+from multi_train_utils.distributed_utils import check_backend, launcher_environment, resolve_device
 from network.architectures import batch_statistics, create_model, random_draws
 from network.weights import load_weights, read_state_dict, weights_file
 from run.config import Config, admitted
 from run.folder_lock import hold_run_folder
 from run.metrics import METRICS_NAME, read_metrics
 from run.records import of_their_model
-from utils import UserError, check_writable, describe, printable, run_files_in
+from run.tracking import reachable_tracker
+from utils import UserError, check_writable, describe, printable, run_files_in, warn, writing
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class Plan:
     resume: Path | None = None
     given: dict = field(default_factory=dict)  # the run's --batch-size and --lr, for `recipe_world_size` processes
     saved: dict | None = None  # the resumed checkpoint's record of its run (run_record), None for a new run
+    store: Path | None = None  # the image store of the split's images (dataset/store.py), None: read from files
+    images_line: str = ""  # what became of the images: in a store, or read from their files every epoch
+    uncompiled: bool = False  # --compile given, and off for what it lacks here (compiled_if_it_can)
 
     @property
     def tracked_run(self) -> dict | None:
@@ -43,6 +50,11 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     """Check the input and make the decisions that need no process group, for `world_size` processes: the config
     to train with (per_process_recipe's) and the Plan. Holds the output folder for the process that writes there;
     UserError for bad input or a folder another live run holds."""
+    # What the run needs beyond Python, before anything is loaded: where it lacks it, the fallback said in one line
+    asked_to_compile = config.compile
+    config = compiled_if_it_can(config)
+    uncompiled = asked_to_compile and not config.compile  # said again at the run's start (announce)
+    config = reachable_tracker(config) if first_rank() else config  # rank 0 tracks
     check_backend(config.dist_backend)  # nccl where this torch has none (Windows, macOS): said before any worker
     check_input_size(config.model, config.img_size)  # a ViT at 48 px: one line, before any folder is made
     data_path = config.data_path or (DEMO_DATA_PATH if config.demo else None)
@@ -56,7 +68,8 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     check = ImageCheck(data_path, folder, shared=launcher_environment() is not None and world_size > 1)
     if check.shared:  # under torchrun every rank prepares: they share the image check
         check_writable(folder)  # the ranks meet there (a lock), before any of them writes the run's files
-    split = read_split_data(data_path, config.val_rate, config.seed, verify_images=check)
+    stored = StoredImages(store_folder(config.store_dir), decode_sides(config.img_size), config.store_side, check)
+    split = read_split_data(data_path, config.val_rate, config.seed, verify_images=stored)
     resume, output_dir, saved = resume_and_output(config, split, Path(data_path), world_size)
     config, given = per_process_recipe(config, saved, world_size, resume)
     check_split(config, split, data_path, world_size)
@@ -72,12 +85,14 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     check_writable(output_dir)
     if first_rank():  # under torchrun every rank prepares; rank 0 writes
         hold_run_folder(output_dir)  # before looking at what the folder holds: another live run may be writing it
-    claim_run_folder(output_dir, resume, restart=config.auto_resume and resume is None)
+    claim_run_folder(output_dir, resume, restart=config.auto_resume)
     if resume is not None:
         read_metrics(output_dir / METRICS_NAME)  # a damaged record of the epochs refuses the resume before any write
-    if first_rank():
+    if first_rank() and stored.path is None:
         check.save(output_dir)  # the images' verdicts, for the next start of this run (a restart, a resume)
-    return config, Plan(Path(data_path), split, output_dir, weights, resume, given, saved)
+    return config, Plan(
+        Path(data_path), split, output_dir, weights, resume, given, saved, stored.path, stored.line, uncompiled
+    )
 
 
 def check_split(config: Config, split: DataSplit, data_path: Path, world_size: int) -> None:
@@ -108,23 +123,56 @@ def first_rank() -> bool:
     return (launcher_environment() or {}).get("rank", 0) == 0
 
 
+def compiled_if_it_can(config: Config) -> Config:
+    """`config`, with --compile off where torch.compile lacks what it needs beyond Python on the run's device, said
+    in one warning: found here, before anything is loaded, not at the first step (docs/performance.md, "Compiled")."""
+    missing = compile_needs(resolve_device(config.device).type) if config.compile else None
+    if missing is None:
+        return config
+    if first_rank():  # under torchrun every rank prepares: say it once
+        warn(f"--compile needs {missing}: the run trains uncompiled (eager)")
+    return replace(config, compile=False)
+
+
+def compile_needs(device_type: str) -> str | None:
+    """What torch.compile lacks here to compile for `device_type`, in words, as torch and Triton look it up; None:
+    nothing (other devices are left to torch.compile)."""
+    if device_type == "cpu":  # inductor's kernels are C++, built by the compiler it looks up
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            get_cpp_compiler()
+        except RuntimeError as error:  # InvalidCxxCompiler, or MSVC's checks on Windows
+            return f"a C++ compiler on the CPU ({error}): install g++, or name one in CXX"
+    if device_type == "cuda":  # its kernels are Triton's, whose launchers a C compiler builds
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "Triton on a GPU, which torch does not find here: pip install triton"
+        if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):  # as Triton looks one up
+            return "a C compiler for Triton on a GPU, and none is found: install gcc, or name one in CC"
+    return None
+
+
 # The files a run writes once an epoch has ended: a folder holding none of them holds nothing to keep
 FINISHED_EPOCH_FILES = (METRICS_NAME, CHECKPOINT_NAME, "weights/*.pth")
 
 
 def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> None:
     """Refuse, before any file is touched, a run that would write into another run's folder: a resume writes into
-    its own or one holding no run's files, a new run into one holding no finished epoch (a restart continues a
-    start that finished none, a new run replaces it): docs/resuming-and-failures.md, "One run per folder"."""
+    its own or one holding no run's files, a new run into one holding no finished epoch (a new run replaces a start
+    that finished none); a restart (--auto-resume, the folder holding no checkpoint) continues a start that saved
+    none, whatever it wrote: docs/resuming-and-failures.md, "One run per folder"."""
     if resume is not None and output_dir.resolve() == resume.parent.resolve():
         return
     found = run_files_in(output_dir)
     finished = [name for name in found if name in FINISHED_EPOCH_FILES]
-    if finished or found and resume is not None:
+    unsaved = restart and len(read_metrics(output_dir / METRICS_NAME)) <= 1  # at most the epoch that failed to save
+    if (finished or found and resume is not None) and not unsaved:
         where = (
             f"resume {resume} in its own folder (leave out --output-dir) or into a new or empty one"
             if resume is not None
-            else f"with no {CHECKPOINT_NAME} to continue from: choose another --output-dir"
+            else f"epochs finished but no {CHECKPOINT_NAME} to continue from: choose another --output-dir"
             if restart
             else "continue it with --auto-resume, or choose another --output-dir"
         )
@@ -133,9 +181,17 @@ def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> No
         return
     if resume is not None:
         print(f"The run continues in {output_dir}, a folder of its own: {resume.parent} is left as it was", flush=True)
-    elif found and not restart:
-        for path in [path for pattern in found for path in output_dir.glob(pattern)]:
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    if finished and unsaved:
+        with writing(output_dir):
+            for path in [path for pattern in finished for path in output_dir.glob(pattern)]:
+                path.unlink()
+        print(
+            f"{output_dir} held a start that saved no checkpoint ({', '.join(finished)}): it starts again", flush=True
+        )
+    elif found and not restart and resume is None:
+        with writing(output_dir):
+            for path in [path for pattern in found for path in output_dir.glob(pattern)]:
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
         print(
             f"{output_dir} held the start of a run that ended before its first epoch did ({', '.join(found)}): "
             "this run starts there anew",
@@ -149,7 +205,7 @@ def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_s
     if config.auto_resume:
         if output_dir is None:
             raise UserError("--auto-resume needs --output-dir: the folder where a restarted job finds its checkpoint")
-        if resume is None and (output_dir / CHECKPOINT_NAME).exists():
+        if (output_dir / CHECKPOINT_NAME).exists():  # its own, first (a resume into a new folder continues there)
             resume = output_dir / CHECKPOINT_NAME
     if resume is not None:
         state = load_checkpoint(resume)

@@ -3,21 +3,22 @@ TensorBoard figures, weights, checkpoint and tracked epoch (RunLog). In DDP rank
 
 import contextlib
 import time
-from pathlib import Path
 
 import torch
 
 from dataset.folders import split_fingerprint, write_class_indices
+from multi_train_utils.bookkeeping import NonFiniteLossError
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, save_epoch, training_state
 from multi_train_utils.distributed_utils import print_once, warn_once
 from multi_train_utils.epoch_writer import EpochWriter, on_host
+from multi_train_utils.memory import OutOfMemory
 from recipe.loss import describe_class_weights
 from recipe.optimizer import describe_learning_rate
 from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before, read_metrics, skipped_note
-from run.plan import inexact_resume_note
+from run.plan import compile_needs, inexact_resume_note
 from run.tensorboard import Board
 from run.tracking import Tracking
-from utils import OutputError, describe, write_failure, write_json
+from utils import OutputError, describe, write_json
 
 
 def announce(config, plan, process, choice, decoding_line: str) -> None:
@@ -37,6 +38,8 @@ def announce(config, plan, process, choice, decoding_line: str) -> None:
     lines.append(  # auto never compiles, as measured (docs/performance.md, "Compiled")
         "Compile: on (--compile): the first steps compile the model, the later ones run compiled"
         if config.compile
+        else f"Compile: off (--compile given, but it needs {compile_needs(process.device.type)})"
+        if plan.uncompiled
         else "Compile: off (auto never compiles: measured, a compilation of half a minute or more repays itself only "
         "in long GPU runs, never on a CPU; --compile to compile, docs/performance.md says when)"
     )
@@ -96,20 +99,17 @@ class RunLog:
         logging = time.perf_counter() - started
         started = time.perf_counter()
         keep = self.save_every > 0 and (epoch + 1) % self.save_every == 0
-        best_weights = best.state_dict() if best is not None else None
-        (weights, best_weights, state), arrived = on_host((model.state_dict(), best_weights, state))
+        best = None if best is None else "model" if best is model else "ema"  # the state's part best.pth links
+        state, arrived = on_host(state)
         line = metrics | {"logging_seconds": logging, "saving_seconds": waited + time.perf_counter() - started}
         self.print_epoch(line)
 
         def write() -> None:
             arrived()
-            try:
-                self.board.epoch(line, best_acc, predicted, self.classes)
-                append_metrics(self.output_dir / METRICS_NAME, line)
-            except OSError as error:  # TensorBoard's writer too: a full disk, a vanished folder, ...
-                raise OutputError(write_failure(Path(error.filename or self.output_dir), error)) from None
+            self.board.epoch(line, best_acc, predicted, self.classes)
+            append_metrics(self.output_dir / METRICS_NAME, line)
             state.update(self.tracking.checkpoint_entry())  # once the tracker has named the run (a new one's)
-            save_epoch(self.output_dir, epoch, weights, best_weights, state, keep=keep)
+            save_epoch(self.output_dir, epoch, state, best, keep=keep)
 
         self.writing = epoch
         self.writer.write(write, after=lambda: self.tracking.epoch(line))  # the tracker: once it is on disk
@@ -124,19 +124,33 @@ class RunLog:
     def stopped(self, error: OutputError, epoch: int) -> OutputError:
         """The line that stops the run where epoch `epoch`'s files could not be written."""
         last = self.checkpoint  # each finished epoch wrote one: the epoch before's, when `epoch`'s failed
-        kept = f"{last} (epoch {epoch - 1}) is untouched" if last.exists() else "no checkpoint yet"
-        return OutputError(f"{error}; stopped, {kept}: make room, then continue with --resume {last}")
+        kept = f"{last} (epoch {epoch - 1}) is untouched" if last.exists() else f"{self.output_dir} holds no checkpoint"
+        return OutputError(f"{error}; stopped, {kept}: once {self.output_dir} can be written, {self.continuing()}")
+
+    def continuing(self) -> str:
+        """The command that continues the run: from its checkpoint, or anew where it saved none (run/plan.py)."""
+        return f"run the same command with --auto-resume --output-dir {self.output_dir}"
 
     @contextlib.contextmanager
     def ending(self):
-        """Around the epochs: marks how the tracked run ends, and waits for the files being written (their failure
-        raised only where the epochs ended well: another exception's traceback is the story)."""
+        """Around the epochs: marks how the tracked run ends, waits for the files being written (their failure
+        raised only where the epochs ended well: another exception's traceback is the story), and ends the line of
+        an error that stops the run with the command that goes on from there."""
         with self.tracking.marks_how_the_run_ends():
             try:
                 yield
-            except BaseException:
+            except BaseException as error:
                 with contextlib.suppress(OutputError):
                     self.wait_for_writes()
+                if isinstance(error, OutOfMemory):  # --micro-batch is a speed flag: the run goes on with it
+                    raise OutOfMemory(f"{error}; then {self.continuing()} and that flag") from None
+                if isinstance(error, KeyboardInterrupt):
+                    saved = f"{self.checkpoint} is whole" if self.checkpoint.exists() else "no checkpoint saved yet"
+                    raise KeyboardInterrupt(f"{saved}; to go on, {self.continuing()}") from None
+                if isinstance(error, NonFiniteLossError):  # another --lr: another recipe, so a new run
+                    last = self.output_dir / "weights" / "last.pth"
+                    start = f", from --weights {last} into another --output-dir" if last.exists() else ""
+                    raise NonFiniteLossError(f"{error}; or start a new run with a lower --lr{start}") from None
                 raise
             self.wait_for_writes()  # the epochs ended well: the last one's files on disk before the run ends
 

@@ -1,6 +1,7 @@
 """Experiment tracking with MLflow: rank 0 logs a run to one tracked run, the same through every stop, restart and
-resume; off unless --tracking-uri or MLFLOW_TRACKING_URI names a tracker. Every call to the tracker runs in one
-background thread, so a failing tracker costs the run one warning and nothing else (docs/tracking.md).
+resume; off unless --tracking-uri or MLFLOW_TRACKING_URI names a tracker (a server: one found reachable). Every call
+to the tracker runs in one background thread, so a failing tracker costs the run one warning and nothing else
+(docs/tracking.md).
 """
 
 import contextlib
@@ -8,9 +9,13 @@ import json
 import os
 import platform
 import queue
+import socket
 import subprocess
 import threading
 import time
+import urllib.parse
+import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,6 +42,7 @@ MLFLOW_SETTINGS = {
 DATABASE_TRIES = 3
 # Seconds the end of a run waits for what is queued: after training (the weights' upload too), after a stop or failure
 FINISH_WAIT, STOP_WAIT = 120.0, 10.0
+SERVER_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}  # where a URI names none
 PROJECT = Path(__file__).resolve().parents[1]
 
 
@@ -45,7 +51,7 @@ class Tracking:
     false: every rank but 0 in DDP), it only keeps the resumed checkpoint's entry for the next checkpoint."""
 
     def __init__(self, config: Config, plan, record: dict, device: torch.device, enabled: bool = True):
-        self.uri = (config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None) if enabled else None
+        self.uri = config.tracking_uri if enabled else None  # reachable_tracker's
         self.output_dir, self.record, self.device = plan.output_dir, record, device
         self.track_weights = config.track_weights
         self.tracked_run = plan.tracked_run  # the checkpoint's entry, until this run opens its tracked run
@@ -64,7 +70,7 @@ class Tracking:
             os.environ.setdefault(name, value)
         known = checked_entry(self.tracked_run, "the checkpoint's tracked run") or read_tracked_run(self.output_dir)
         self.tracked_run = known  # the checkpoints name it from now, whenever the tracker answers
-        print(f"Tracking: MLflow at {self.uri}, experiment {experiment_name()}", flush=True)
+        print(f"Tracking: MLflow at {shown(self.uri)}, experiment {experiment_name()}", flush=True)
         self.thread = threading.Thread(target=self.work, name="mlflow-tracking", daemon=True)
         self.thread.start()
         self.call(self.open, known, sorted(finished, key=lambda line: line["epoch"]), start_epoch)
@@ -100,7 +106,9 @@ class Tracking:
         wait = FINISH_WAIT if status == "FINISHED" else STOP_WAIT
         self.thread.join(wait)
         if self.thread.is_alive():
-            self.warn_once(f"the tracker at {self.uri} took more than {wait:g} s: the run ends without waiting for it")
+            self.warn_once(
+                f"the tracker at {shown(self.uri)} took more than {wait:g} s: the run ends without waiting for it"
+            )
         self.thread = None
 
     # What follows runs in the background thread, in the order queued.
@@ -120,8 +128,8 @@ class Tracking:
                 self.opened.set()  # nor will it open the run now: no checkpoint waits for it
                 reason = in_brief(f"{type(error).__name__}: {error}")
                 self.warn_once(
-                    f"MLflow tracking at {self.uri} failed ({reason}): the run goes on untracked; a resume of the "
-                    "run logs the epochs the tracker missed"
+                    f"MLflow tracking at {shown(self.uri)} failed ({reason}): the run goes on untracked; a resume of "
+                    "the run logs the epochs the tracker missed"
                 )
 
     def warn_once(self, message: str) -> None:
@@ -135,11 +143,7 @@ class Tracking:
 
         mlflow.store.db.utils.MAX_RETRY_COUNT = DATABASE_TRIES
         self.client = MlflowClient(self.uri)
-        run = self.continued(known["run_id"]) if known else None
-        logged = {m.step for m in self.client.get_metric_history(run.info.run_id, "train_loss")} if run else set()
-        if run is not None and max(logged, default=-1) >= start_epoch:  # a resume of an older checkpoint's copy
-            print(f"note: tracked run {run.info.run_id} holds epochs from {start_epoch} on: tracking as a new run")
-            run, logged = None, set()
+        run, logged = self.continued(known["run_id"], finished, start_epoch) if known else (None, set())
         if run is None:
             run = self.client.create_run(self.experiment_id(), run_name=self.output_dir.name)
             recipe = [Param(name, str(self.record[name])) for name in Config.recipe_fields() if name in self.record]
@@ -155,22 +159,26 @@ class Tracking:
         self.epochs = [line for line in finished if line["epoch"] in logged]
         self.log_epochs([line for line in finished if line["epoch"] not in logged])
 
-    def continued(self, run_id: str):
-        """The tracked run `run_id`, or None (and a note) where this tracker has none of that id."""
+    def continued(self, run_id: str, finished: list[dict], start_epoch: int):
+        """(the tracked run `run_id`, the epochs it logged), or (None, none) and a note where this tracker has no run
+        of that id whose epochs are this run's before `start_epoch`: deleted, tracked elsewhere, an id it rejects,
+        another run's (other figures), or a later copy's (a resume of an older checkpoint: logged twice, else)."""
         from mlflow.exceptions import MlflowException
 
         try:
             run = self.client.get_run(run_id)
         except MlflowException as error:
-            if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+            if error.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 raise
             run = None
-        if run is None or run.info.lifecycle_stage == "deleted":
-            print(
-                f"note: {self.uri} has no tracked run {run_id} (deleted, or tracked elsewhere): tracking as a new run"
-            )
-            return None
-        return run
+        points = self.client.get_metric_history(run_id, "train_loss") if run is not None else []
+        ours = {line["epoch"]: line["train_loss"] for line in finished}  # none, resumed into a new folder
+        other = any(p.step >= start_epoch or ours.get(p.step, p.value) != p.value for p in points)
+        if run is None or run.info.lifecycle_stage == "deleted" or other:
+            print(f"note: {shown(self.uri)} has no tracked run {run_id!r} of this run's epochs (deleted, tracked "
+                  "elsewhere, another run's, or a later copy's): tracking as a new run")  # fmt: skip
+            return None, set()
+        return run, {point.step for point in points}
 
     def experiment_id(self) -> str:
         """The experiment's id, made if need be, with its artifacts beside a SQLite file (not in the current folder)."""
@@ -238,6 +246,26 @@ class Tracking:
         return tags
 
 
+def reachable_tracker(config: Config) -> Config:
+    """`config` naming its tracker (--tracking-uri, else MLFLOW_TRACKING_URI), or none where that is a server this
+    machine cannot connect to, said in one warning: found before anything is loaded (a proxy's server is not tried)."""
+    uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+    where = urllib.parse.urlsplit(uri or "")
+    scheme = where.scheme.split("+")[0]  # postgresql+psycopg2: the driver named
+    try:
+        port = where.port or SERVER_PORTS.get(scheme)
+        proxied = scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(where.hostname or "")
+        if where.hostname and port and not proxied:
+            wait = float(MLFLOW_SETTINGS["MLFLOW_HTTP_REQUEST_TIMEOUT"])
+            socket.create_connection((where.hostname, port), timeout=wait).close()
+    except (OSError, ValueError) as error:  # refused, no such host, timed out; a port that is no number
+        reason = f"cannot connect to {where.netloc.rpartition('@')[2]}: {getattr(error, 'strerror', None) or error}"
+        warn(f"MLflow tracking at {shown(uri)} failed ({reason}): the run goes on untracked; a resume of the run "
+             "logs the epochs the tracker missed")  # fmt: skip
+        uri = None
+    return replace(config, tracking_uri=uri)
+
+
 def experiment_name() -> str:
     return os.environ.get("MLFLOW_EXPERIMENT_NAME") or EXPERIMENT
 
@@ -273,3 +301,11 @@ def read_tracked_run(folder: Path) -> dict | None:
     except UserError as error:
         warn(f"{error}: tracking as a new run")
         return None
+
+
+def shown(uri: str) -> str:
+    """`uri` as printed: a password in it (a database's, a server's) as ***."""
+    where = urllib.parse.urlsplit(uri)
+    if where.password is None:
+        return uri
+    return where._replace(netloc=where.netloc.replace(f":{where.password}@", ":***@", 1)).geturl()

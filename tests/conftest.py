@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dataset.demo import make_demo_data  # noqa: E402
+from dataset.store import STORE_ENV  # noqa: E402
 from machine import available_cores, cpu_bfloat16  # noqa: E402
 
 # What auto would measure (autotune/choose.py), pinned, so that no test run spends time measuring unless it
@@ -48,9 +49,12 @@ REFERENCE_FLAGS = ("--epochs", "4", "--seed", "0", *FAST)
 STOPPED_FLAGS = ("--epochs", "2", *FAST)
 # Two DDP epochs in float32 on any CPU (--amp off: bfloat16 where native would make runs differ between machines), of
 # a network that draws at random (MobileNetV3-Small's dropout): the DDP runs' comparisons (torchrun against spawn,
-# two nodes against one, stopped by a real signal and resumed) then hold for each rank's own draws too.
+# two nodes against one, stopped by a real signal and resumed) then hold for each rank's own draws too. Their batches
+# are streamed from the image store (--device-images-gb 0: none held), so the guarantees of the DDP runs hold on the
+# streamed path, and their comparisons with one process's runs (held) across the two paths.
 DDP_MODEL = "mobilenet_v3_small"
-DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST, "--amp", "off", "--model", DDP_MODEL)
+DDP_FLAGS = ("--epochs", "2", "--device", "cpu", "--seed", "3", *FAST, "--amp", "off", "--model", DDP_MODEL,
+             "--device-images-gb", "0")  # fmt: skip
 
 
 def fault_env(fault: str | None = None) -> dict:
@@ -214,12 +218,13 @@ def trained_run(learnable_data, shared_tmp):
 
 @pytest.fixture(scope="session")
 def torchrun_run(tiny_data, shared_tmp):
-    """torchrun with 2 processes on tiny_data (DDP_FLAGS): the finished process and its run folder. Each image
-    its start-up check decoded is logged in decodes/ beside the run folder (DECODE_LOG: one file per process)."""
+    """torchrun with 2 processes on tiny_data (DDP_FLAGS): the finished process and its run folder. Its image store
+    is its own (in stores/ beside the run folder: built by this run), and each image decoded for it is logged in
+    decodes/ there (DECODE_LOG: one file per rank)."""
 
     def make(folder):
         (folder / "decodes").mkdir(parents=True)
-        env = fault_env() | {"DECODE_LOG": str(folder / "decodes")}
+        env = fault_env() | {"DECODE_LOG": str(folder / "decodes"), STORE_ENV: str(folder / "stores")}
         return finished_run(folder, "train_multi_gpu_using_launch.py", tiny_data, launcher=torchrun(2), env=env)
 
     return made_once(shared_tmp, "torchrun_run", make)
@@ -383,14 +388,16 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def files_of_this_session(tmp_path_factory):
-    """What the runs leave besides their run folders is kept in this session's folder: what a run measures (in the
-    tests of measuring), never in the user's cache; and each torchrun's folder of logs and error files, which it
+def files_of_this_session(tmp_path_factory, shared_tmp):
+    """What the runs leave besides their run folders is kept in this session's folder, never in the user's cache:
+    what a run measures (in the tests of measuring); the image stores, shared by the session's workers (the runs of
+    one folder map one store, as on a user's machine); and each torchrun's folder of logs and error files, which it
     would otherwise make in /tmp and leave there (torchrun reads --log-dir from PET_LOG_DIR). Every script a test
     starts inherits the settings."""
     from autotune.remembered import CACHE_ENV  # here: xdist's controller, which loads this file too, imports no model
 
     os.environ[CACHE_ENV] = str(tmp_path_factory.getbasetemp() / "autotune.json")
+    os.environ[STORE_ENV] = str(shared_tmp / "image_stores")
     os.environ["PET_LOG_DIR"] = str(tmp_path_factory.getbasetemp() / "torchrun_logs")
 
 

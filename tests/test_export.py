@@ -190,16 +190,42 @@ def test_a_file_that_fails_the_check_is_not_written(run, traced, monkeypatch, tm
     assert list(tmp_path.iterdir()) == []  # neither the file nor a temporary one
 
 
-def test_without_onnxruntime_the_check_alone_is_skipped_with_a_warning(run, onnx_export, monkeypatch, tmp_path, capsys):
+def said_before_loading(monkeypatch, capsys) -> list[str]:
+    """What export.py has printed on stderr when it starts loading the weights (nothing more is loaded before)."""
+    said, load = [], export.load_trained_model
+
+    def loading(*args, **options):
+        said.append(capsys.readouterr().err)
+        return load(*args, **options)
+
+    monkeypatch.setattr(export, "load_trained_model", loading)
+    return said
+
+
+def test_without_onnxruntime_the_check_alone_is_skipped_said_before_anything_is_loaded(
+    run, onnx_export, monkeypatch, tmp_path, capsys
+):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime raises ImportError
     exported = onnx_export[1].read_bytes()
     monkeypatch.setattr(export, "export_onnx", lambda *args: exported)  # the export itself is tested above
+    said = said_before_loading(monkeypatch, capsys)
     export.main.__wrapped__(
         [str(run / "weights" / "best.pth"), "--format", "onnx", "--output", str(tmp_path / "m.onnx")]
     )
     printed = capsys.readouterr()
-    assert "warning: onnxruntime is not installed, so the ONNX file was not checked" in printed.err
+    (line,) = said[0].splitlines()
+    assert line.startswith("warning: onnxruntime cannot be imported (") and not printed.err
+    assert line.endswith("): the ONNX file will not be checked (pip install onnxruntime)")
     assert "Checked with" not in printed.out and (tmp_path / "m.onnx").read_bytes() == exported
+
+
+@pytest.mark.fast
+def test_without_onnxscript_an_onnx_export_is_refused_before_anything_is_loaded(run, monkeypatch, tmp_path, run_main):
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # not installed, as importlib finds it
+    monkeypatch.setattr(export, "load_trained_model", lambda *args: pytest.fail("loaded"))
+    result = run_main("export.py", run / "weights" / "best.pth", "--format", "onnx", "--output", tmp_path / "m.onnx")
+    assert_user_error(result, "ONNX export needs onnxscript (and onnx): pip install onnx onnxscript onnxruntime")
+    assert not (tmp_path / "m.onnx").exists()
 
 
 @pytest.mark.fast

@@ -1,17 +1,21 @@
 """File names as the filesystem gives them (issue 45). On Linux a name is any bytes but "/" and NUL, and zip files
 from Windows or an old Mac, NAS copies and old archives leave names that are not UTF-8: Python holds each such
 byte as a lone surrogate (os.fsdecode). Names drawn by Hypothesis, as bytes, go through the listing, the split,
-training, predict.py's and evaluate.py's results and the run's output, and come out as the same bytes.
+training, predict.py's and evaluate.py's results and the run's output, and come out as the same bytes; every file
+written is what the docs say it is, UTF-8 that Python's own readers read, as docs/trained-models.md shows.
 
 macOS and Windows keep names in Unicode and refuse such bytes: there the tests skip."""
 
+import contextlib
+import csv
 import io
+import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST
+from conftest import FAST, ROOT
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -44,6 +48,20 @@ def is_utf8(name: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def read_as_the_docs_say(path: Path):
+    """A JSON, JSON Lines or CSV file read as UTF-8 with the standard library (UnicodeDecodeError where it is not)."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".csv":
+        return list(csv.DictReader(io.StringIO(text, newline="")))
+    return json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in text.splitlines()]
+
+
+def documented_reading() -> str:
+    """docs/trained-models.md's code that reads a results file: the block after "The file is UTF-8"."""
+    page = (ROOT / "docs" / "trained-models.md").read_text(encoding="utf-8")
+    return page[page.index("The file is UTF-8") :].split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def image_bytes(colour: int) -> bytes:
@@ -101,6 +119,31 @@ def test_any_names_are_listed_split_and_written_back_as_the_same_bytes(data, tmp
     assert capsysbinary.readouterr().out == b"\n".join(os.fsencode(path) for path in listed) + b"\n"
 
 
+@pytest.mark.fast
+@EXAMPLES
+@given(data=st.data())
+def test_a_results_file_is_utf8_whose_documented_reading_gives_back_every_name(data, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("results")
+    quoted = NAME.map(lambda name: b'"' + name)  # a cell that starts as an escaped one does
+    names = data.draw(st.lists(NAME | quoted | NOT_UTF8, min_size=2, max_size=4, unique=True), label="names")
+    texts = [os.fsdecode(name) for name in names]
+    rows = [Row(text, texts[-1], [(texts[0], 0.5)]) for text in texts]
+    rows.append(Row(texts[1], None, [], f"OSError: cannot read {texts[1]}"))  # a reason naming a file
+    for suffix in ("csv", "jsonl"):
+        with results_file(folder / f"results.{suffix}", topk=1) as results:
+            results.write(rows)
+    namespace = {}
+    with contextlib.chdir(folder):
+        exec(documented_reading(), namespace)
+    read = {"csv": namespace["csv_rows"], "jsonl": namespace["jsonl_rows"]}
+    for form, first_class in (("csv", lambda row: row["class_1"]), ("jsonl", lambda row: row["classes"][0])):
+        assert [os.fsencode(row["path"]) for row in read[form]] == [*names, names[1]], form
+        assert [row["true_class"] or None for row in read[form]] == [texts[-1]] * len(names) + [None], form
+        assert [first_class(row) for row in read[form][:-1]] == [texts[0]] * len(names), form
+        assert read[form][-1]["unreadable"] == f"OSError: cannot read {texts[1]}", form
+    assert read_results(folder / "results.csv") == read["jsonl"] == read_results(folder / "results.jsonl")
+
+
 @RUNS
 @given(data=st.data())
 def test_a_run_on_any_names_trains_and_scores_each_image_once_under_its_own_bytes(data, tmp_path_factory, capsysbinary):
@@ -127,5 +170,9 @@ def test_a_run_on_any_names_trains_and_scores_each_image_once_under_its_own_byte
     assert sorted(os.fsencode(row["path"]) for row in rows) == sorted([*images, broken])
     classes = images | {broken: os.path.basename(os.path.dirname(broken))}
     assert all(os.fsencode(row["true_class"]) == classes[os.fsencode(row["path"])] for row in rows)
+    files = [path for path in root.rglob("*") if path.suffix in (".json", ".jsonl", ".csv")]  # the run's and tools'
+    assert {"class_indices.json", "args.json", "metrics.jsonl", "eval.json"} <= {path.name for path in files}
+    written = {path.name: read_as_the_docs_say(path) for path in files}  # UTF-8, as JSON, JSON Lines or CSV
+    assert sorted(os.fsencode(name) for name in written["class_indices.json"].values()) == sorted(set(images.values()))
     assert (out / "eval" / "confusion_matrix.png").exists() and sys.getfilesystemencoding() == "utf-8"
     capsysbinary.readouterr()  # read: pytest-xdist would ship what is left in the report, and it encodes strictly

@@ -166,7 +166,7 @@ def test_a_resume_with_another_micro_batch_says_so_as_it_decides_how_to_compute(
     config = replace(config, batches="loader")  # nothing measured: no images to make batches of
     saved = {"batch_size": 8, "micro_batch": None, "world_size": 1, "recipe_world_size": 1}
     split = DataSplit(["a.jpg"] * 8, [0] * 8, ["b.jpg"] * 2, [0, 1], ["a", "b"])
-    plan = types.SimpleNamespace(saved=saved, split=split)
+    plan = types.SimpleNamespace(saved=saved, split=split, uncompiled=False)
     choice = choose(config, plan, torch.device("cpu"), 1, train_set=None)
     assert choice.micro_batch == 4
     announce(config, plan, single_process("cpu"), choice, "Images: decoded from their files every epoch")

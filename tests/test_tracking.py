@@ -1,18 +1,25 @@
 """Experiment tracking (run/tracking.py): one tracked run through a stop by signal under torchrun, a failure, a
 resume on another number of processes and the end, each epoch logged once, read back through MLflow's own client
-as a user's tools would; a tracker that cannot be reached costs one warning and nothing else."""
+as a user's tools would; a tracker that fails costs one warning and nothing else (one that cannot be reached at
+the start: tests/test_needs.py); a damaged record of the tracked run, whatever the damage, is tracked anew."""
 
 import contextlib
 import importlib
+import io
 import json
 import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DDP_FLAGS, REFERENCE_FLAGS, final_weights, run_here
+from conftest import DDP_FLAGS, REFERENCE_FLAGS, run_here
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_files_read_back import JSON, damaged, reshaped
 
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.spawn_utils import find_free_port
@@ -136,17 +143,6 @@ def test_the_tracked_run_holds_the_recipe_as_parameters_and_the_run_as_tags_and_
     assert (out.parent / "mlartifacts" / EXPERIMENT).is_dir()  # beside the SQLite file, not in the current folder
 
 
-def test_an_unreachable_tracker_costs_one_warning_and_nothing_else(tiny_data, tmp_path, reference_run, capsys):
-    uri = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there
-    out = tmp_path / "run"
-    flags = ("--data-path", tiny_data, *REFERENCE_FLAGS, "--output-dir", out, "--tracking-uri", uri)
-    importlib.import_module("train_single_gpu").main([str(flag) for flag in flags])  # returns: exit status 0
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line or "Traceback" in line]
-    assert len(warnings) == 1 and warnings[0].startswith(f"warning: MLflow tracking at {uri} failed"), warnings
-    expected, weights = final_weights(reference_run), final_weights(out)
-    assert all(torch.equal(expected[key], weights[key]) for key in expected)
-
-
 def settled(tracking: Tracking) -> None:
     """Wait until the tracking thread has made every call queued so far."""
     done = threading.Event()
@@ -240,6 +236,71 @@ def test_a_run_whose_record_is_damaged_is_tracked_anew_with_every_epoch_it_finis
     (run,) = tracked_runs(str(uri))
     assert run.info.status == "FINISHED" and history(str(uri), run.info.run_id, "val_acc") == [(0, 0.5), (1, 0.25)]
     assert read_tracked_run(out)["run_id"] == run.info.run_id == tracking.checkpoint_entry()["tracked_run"]["run_id"]
+
+
+@pytest.fixture(scope="module")
+def two_tracked_runs(tmp_path_factory):
+    """A folder store holding this run's tracked run, which logged epoch 0 and was stopped, and another run's, which
+    logged epochs 0 and 1 of other figures: (the store's uri, this run's record as its start wrote it, the other's
+    id)."""
+    root = tmp_path_factory.mktemp("two_runs")
+    uri, ids = str(root / "mlruns"), []
+    with mlflow_settings(), contextlib.redirect_stdout(io.StringIO()):
+        for name, lines in (("this", [epoch_line(0, 0.5)]), ("other", [dict(epoch_line(0, 0.4), train_loss=0.7)] * 2)):
+            (root / name).mkdir()
+            (root / name / "args.json").write_text("{}")
+            tracking = tracking_in(root / name, uri)
+            tracking.start([], 0)
+            for epoch, line in enumerate(lines):
+                tracking.epoch(dict(line, epoch=epoch))
+            tracking.end("KILLED")
+            ids.append(read_tracked_run(root / name)["run_id"])
+    return uri, (root / "this" / TRACKED_RUN_NAME).read_bytes(), ids[1]
+
+
+def damaged_entries(record: dict, other_id: str):
+    """A record of the tracked run damaged: one character of its id changed (to one the tracker rejects, as `%`, or
+    to any), another run's id, or any part of it reshaped."""
+    run_id = record["run_id"]
+    changed = st.tuples(st.integers(0, len(run_id) - 1), st.sampled_from("%/ .") | st.characters())
+    ids = changed.map(lambda change: run_id[: change[0]] + change[1] + run_id[change[0] + 1 :]) | st.just(other_id)
+    return ids.map(lambda new: dict(record, run_id=new)) | reshaped(record, inside=True) | JSON
+
+
+@pytest.mark.fast
+@given(data=st.data())
+@settings(max_examples=12, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+def test_a_record_of_the_tracked_run_damaged_in_any_way_is_recovered_with_every_finished_epoch(two_tracked_runs, data):
+    # The restart of this run (epochs 0 and 1 finished), its record damaged in its folder's file (any byte changed,
+    # cut short, any id) or in the checkpoint resumed (any id, any shape): a tracked run of this run's epochs,
+    # each once, named by the file and the next checkpoint; at most one warning, and the tracker never given up.
+    uri, written, other_id = two_tracked_runs
+    record = json.loads(written)
+    entries = damaged_entries(record, other_id)
+    in_file = data.draw(st.booleans(), label="in the file")
+    file_damage = damaged(written, record).map(lambda damage: damage.data)
+    file_damage |= entries.map(lambda entry: json.dumps(entry).encode())
+    damage = data.draw(file_damage if in_file else entries, label="damaged")
+    finished = [epoch_line(0, 0.5), epoch_line(1, 0.25)]
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder)
+        (out / "args.json").write_text("{}")
+        if in_file:
+            (out / TRACKED_RUN_NAME).write_bytes(damage)
+        tracking, stderr = tracking_in(out, uri), io.StringIO()
+        tracking.tracked_run = None if in_file else damage
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            tracking.start(finished, 2)
+            tracking.end("FINISHED")  # after every call queued
+        warnings = stderr.getvalue().splitlines()
+        assert len(warnings) <= 1 and not any(" failed (" in line for line in warnings), warnings
+        named = read_tracked_run(out)["run_id"]
+        assert tracking.checkpoint_entry()["tracked_run"]["run_id"] == named
+    from mlflow.tracking import MlflowClient
+
+    assert history(uri, named, "train_loss") == [(line["epoch"], line["train_loss"]) for line in finished]
+    assert MlflowClient(uri).get_run(named).info.status == "FINISHED"
 
 
 def a_folder_in_its_place(tmp_path):

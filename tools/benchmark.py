@@ -19,7 +19,9 @@ sys.path.insert(0, str(ROOT))  # for `python tools/benchmark.py` from anywhere
 from autotune.choose import amp_candidates  # noqa: E402
 from autotune.remembered import CACHE_ENV  # noqa: E402
 from dataset.demo import make_demo_data  # noqa: E402
-from dataset.folders import read_split_data  # noqa: E402
+from dataset.folders import read_split_data, unreadable_images  # noqa: E402
+from dataset.store import StoredImages, store_folder  # noqa: E402
+from dataset.transforms import decode_sides  # noqa: E402
 from machine import describe_cpu  # noqa: E402
 from multi_train_utils.train_eval_utils import Choice  # noqa: E402
 from plot_results import plot_benchmark  # noqa: E402
@@ -29,12 +31,12 @@ from tools import fresh_rows, script_rows  # noqa: E402
 from tools.compute_peak import described, measure_peaks, trained_row, training_flops_per_image, worker_phrase  # noqa: E402
 from tools.script_rows import FIXED  # noqa: E402
 from tools.startup_benchmark import image_counts, startup_benchmark  # noqa: E402
-from utils import Parser, UserError, entry_point, number, positive_int, write_json  # noqa: E402
+from utils import Parser, UserError, check_writable, entry_point, number, positive_int, write_json  # noqa: E402
 
 FLOWER_PHOTOS_SIZE = (320, 240)
 # benchmark.json's "kind" of row, in the order of the table
-KINDS = ("model-only", "compile", "loader", "peer", "profile", "baseline", "fixed", "auto", "paths", "torchrun",
-         "spawn", "demo", "predict")  # fmt: skip
+KINDS = ("model-only", "compile", "loader", "peer", "timm", "profile", "baseline", "fixed", "auto", "later", "paths",
+         "torchrun", "spawn", "demo", "predict")  # fmt: skip
 TABLE_HEADER = (
     "| configuration | processes | precision, layout | img/s | × baseline | % of peak | epoch (s) "
     "| first epoch (s) | peak RSS / process (MiB) |\n|---|---:|---|---:|---:|---:|---:|---:|---:|"
@@ -63,8 +65,10 @@ def parse_args(argv=None):
                    f"comma-separated, of {', '.join(KINDS)} (auto always runs; docs/performance.md)")  # fmt: skip
     p.add_argument("--skip-ddp", action="store_true", help="leave out the torchrun and spawn rows")
     p.add_argument("--skip-demo", action="store_true", help="leave out the demo's run (a minute or two on a CPU)")
+    p.add_argument("--timm-train", type=Path, help="timm's train.py (the top of a pytorch-image-models checkout, "
+                   "not in timm's package): a row of it on the same images (default: left out)")  # fmt: skip
     p.add_argument("--startup-sizes", type=image_counts, help="measure start-up alone, on generated folders of these "
-                   "many images (e.g. 1000,10000,100000): tools/startup_benchmark.py")  # fmt: skip
+                   "many photo-like images (e.g. 5000,20000): tools/startup_benchmark.py")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -84,6 +88,7 @@ def names_of(known, every: str):
 @entry_point
 def main(argv=None):
     args = parse_args(argv)
+    check_writable(args.output_dir)  # before anything is measured, not at the first row's log
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {args.device} asked for a GPU but none is visible; use --device cpu")
@@ -95,7 +100,10 @@ def main(argv=None):
     gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if args.device.startswith("cuda") else None
     machine = f"{describe_cpu()}; {gpus or 'no GPU used'}"
     print(f"Machine: {machine}")
-    split = read_split_data(args.data_path, verify_images=True)  # the scripts' split, unreadable images left out
+    # the scripts' split, unreadable images left out, and their image store as a run finds or builds it
+    stored = StoredImages(store_folder(None), decode_sides(args.img_size), None, fallback=unreadable_images)
+    split = read_split_data(args.data_path, verify_images=stored)
+    print(stored.line)
     if len(split.train_images) < args.batch_size:
         raise UserError(f"{args.data_path}: {len(split.train_images)} training images, fewer than a batch of "
                         f"{args.batch_size}")  # fmt: skip
@@ -115,8 +123,12 @@ def main(argv=None):
     config = parse_config(SINGLE, "", [*script_rows.settings_flags(args), "--device", args.device])
     measured_rows = itertools.chain(  # each a generator: a row is measured only when the one before is recorded
         fresh_rows.model_rows(args, config, choice, peaks, flops),
-        fresh_rows.loader_rows(args, config, Plan(args.data_path, split, args.output_dir), choice.workers),
-        fresh_rows.peer_rows(args, config, choice, peaks, flops),
+        fresh_rows.loader_rows(
+            args, config, Plan(args.data_path, split, args.output_dir, store=stored.path), choice.workers
+        ),
+        fresh_rows.peer_rows(args, config, choice, split, peaks, flops),
+        script_rows.timm_rows(args, choice, split, peaks, flops),
+        script_rows.later_rows(args, peaks, flops),
         script_rows.profile_rows(args, choice),
         script_rows.script_rows(args, choice, nprocs, peaks, flops),
         script_rows.predict_rows(args, nprocs, benchmark["rows"]),
@@ -129,7 +141,8 @@ def main(argv=None):
     rows = benchmark["rows"]
     print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
     print(markdown_table(rows))
-    print("\n" + "\n".join(against_targets(rows, choice.amp == "bf16") + auto_targets(rows) + predict_figures(rows)))
+    targets = against_targets(rows, choice.amp == "bf16") + against_peers(rows) + auto_targets(rows)
+    print("\n" + "\n".join(targets + predict_figures(rows)))
     print(f"\nWrote {results} and {args.output_dir / 'benchmark.png'}")
 
 
@@ -230,6 +243,23 @@ def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
         )
     else:
         lines.append("spawn's epoch within 110 % of torchrun's: not measured")
+    return lines
+
+
+def against_peers(rows: list[dict]) -> list[str]:
+    """train_single_gpu.py (a later run, else auto's first) against the ceiling and what a user would pick instead:
+    the peer-style loader and timm's train.py, by img/s after the first epoch and by the whole run's wall time."""
+    ours = first_of(rows, "later") or first_of(rows, "auto")
+    ceiling, peer, timm = (first_of(rows, kind) for kind in ("model-only", "peer", "timm"))
+    lines = [ratio_target("train_single_gpu.py >= 95 % of the model-only ceiling", ours, ceiling, 0.95, "{:.0%}")]
+    for name, theirs in (("the peer-style loader", peer), ("timm's train.py", timm)):
+        lines.append(ratio_target(f"train_single_gpu.py ahead of {name}", ours, theirs, 1.0, "{:.2f}x"))
+        if first_of(rows, "later") is None or theirs is None:
+            lines.append(f"the whole run against {name}'s: not measured (the later and {name} rows)")
+            continue
+        share = ours["run_seconds"] / theirs["run_seconds"]
+        lines.append(f"the whole run: {ours['run_seconds']:.1f} s against {name}'s {theirs['run_seconds']:.1f} s, "
+                     f"{share:.2f} of its time ({'met' if share < 1 else 'NOT met'}: < 1)")  # fmt: skip
     return lines
 
 

@@ -13,6 +13,7 @@ import json
 import runpy
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for `python tools/profile_steps.py` from anywhere
 
-from utils import UserError, entry_point, write_json  # noqa: E402
+from utils import OutputError, UserError, check_writable, entry_point, write_json, writing  # noqa: E402
 
 TRACE_NAME, SUMMARY_NAME = "profile_trace.json.gz", "profile_summary.json"
 TOP_OPERATIONS = 12
@@ -52,7 +53,14 @@ def traced(run, batches, skip: int, steps: int, device: torch.device, folder: Pa
 
     def ready(profiler: profile) -> None:  # when the traced steps end
         path = folder / TRACE_NAME
-        profiler.export_chrome_trace(str(path))  # a name ending in .gz: torch writes it gzipped
+        with writing(path):
+            profiler.export_chrome_trace(str(path))  # a name ending in .gz: torch writes it gzipped
+        try:  # read back: torch's C++ writes the trace into a temporary file, and says nothing of a write that fails
+            trace_events(path)
+        except (EOFError, ValueError, OSError):  # (gzip's: cut short, not gzip)
+            raise OutputError(
+                f"cannot write {path}: torch's profiler could not write it whole (in {tempfile.gettempdir()} first)"
+            ) from None
         found.update(summary_of(profiler.events(), device), trace=str(path), trace_bytes=path.stat().st_size)
 
     plan = schedule(wait=skip, warmup=1, active=steps, repeat=1)
@@ -85,6 +93,7 @@ def main(argv=None):
     p.add_argument("script", type=Path, help="a training script whose loop runs in its own process")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="the script's flags")
     args = p.parse_args(argv)
+    check_writable(args.trace_dir)  # before the script runs, not once it has trained to the traced epoch
     # the script's namespace, main not yet called (run_path returns a copy: its functions' globals are the one)
     script = inspect.unwrap(runpy.run_path(str(args.script), run_name="profiled")["main"]).__globals__
     found = {}

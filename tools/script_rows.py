@@ -11,11 +11,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from autotune.remembered import cache_file, read_entries
+from machine import available_cores
 from multi_train_utils.train_eval_utils import Choice
 from run.config import DEMO_DEFAULTS
 from tools.compute_peak import described, row, trained_row, worker_phrase
 from tools.profile_steps import SUMMARY_NAME, printed
-from utils import UserError
+from utils import UserError, writing
 
 ROOT = Path(__file__).resolve().parents[1]
 SINGLE = [str(ROOT / "train_single_gpu.py")]
@@ -48,6 +49,11 @@ def measuring_seconds(img_size: int, batch_size: int) -> float | None:
     return None
 
 
+# The paths' rows: each batch path forced (stream: the images in no device memory, each batch gathered from the store)
+PATHS = {"device": ["--batches", "device"], "loader": ["--batches", "loader"],
+         "stream": ["--batches", "device", "--device-images-gb", "0"]}  # fmt: skip
+
+
 def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
     """The training scripts end to end but auto's run: baseline, fixed, paths (a path the script refuses is left out),
     the DDP scripts with `nprocs` processes, as the auto row, and the demo."""
@@ -60,14 +66,16 @@ def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
         fixed = replace(choice, amp=amp, channels_last=channels_last, micro_batch=None)  # fed as auto chose
         measured = run_script(args, f"fixed-{name}", SINGLE, choice_flags(fixed))
         yield trained_row(f"fixed: {fixed.name()}", "fixed", 1, fixed, measured, peaks, flops)
-    for path in {"device", "loader"} - {choice.batches} if "paths" in args.rows else ():  # where auto did not choose
-        flags = ["--amp", choice.amp, *layout_flags(choice.channels_last), "--batches", path]
+    for path, where in PATHS.items() if "paths" in args.rows else ():
+        if path == choice.batches:  # auto's row
+            continue
+        flags = ["--amp", choice.amp, *layout_flags(choice.channels_last), *where]
         try:
             measured = run_script(args, f"batches-{path}", SINGLE, flags)
         except UserError as failed:
             print(f"  --batches {path}: left out ({failed})", flush=True)
             continue
-        name = f"train_single_gpu.py, --batches {path}"
+        name = f"train_single_gpu.py, {' '.join(where)}"
         yield trained_row(name, "paths", 1, chosen(args, f"batches-{path}"), measured, peaks, flops)
     ours = ["--amp", args.amp, *layout_flags(args.channels_last)]
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
@@ -83,6 +91,61 @@ def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
         demo = run_script(args, "demo", SINGLE, [], demo=True)
         demo["measure_seconds"] = measuring_seconds(DEMO_DEFAULTS["img_size"], DEMO_DEFAULTS["batch_size"])
         yield row("train_single_gpu.py --demo, its first run", "demo", 1, described(chosen(args, "demo")), demo)
+
+
+def later_rows(args, peaks: dict, flops: float):
+    """train_single_gpu.py again as the auto row ran it, auto's choice now remembered, as a user's later runs find it:
+    the run whose wall time is set against the peers' (its img/s: the epochs after the first, as every row's)."""
+    if "later" in args.rows:
+        measured = run_script(args, "later", SINGLE, ["--amp", args.amp, *layout_flags(args.channels_last)])
+        name = "train_single_gpu.py, auto, a later run (the choice remembered)"
+        yield trained_row(name, "later", 1, chosen(args, "later"), measured, peaks, flops)
+
+
+def timm_rows(args, choice: Choice, split, peaks: dict, flops: float):
+    """timm's train.py (--timm-train PATH) on the scripts' split (train/ and validation/ folders of links to the same
+    images), the same model, size, batch and epochs, with its fastest flags here: auto's precision and layout, a
+    loader worker per core, pinned memory. Its img/s: the mean of its epochs' own rates after the first."""
+    if "timm" not in args.rows:
+        return
+    if args.timm_train is None:
+        print("  timm's train.py: left out (--timm-train PATH names it, a pytorch-image-models checkout's)", flush=True)
+        return
+    data, cores = linked_split(args.output_dir / "timm_data", split), available_cores()
+    flags = ["--model", args.model.removeprefix("timm/"), "--num-classes", str(len(split.classes))]
+    flags += ["--img-size", str(args.img_size), "-b", str(args.batch_size), "--epochs", str(args.epochs)]
+    flags += ["-j", str(cores), "--pin-mem", "--device", args.device, "--log-interval", "1000000"]
+    flags += ["--amp", "--amp-dtype", "bfloat16"] if choice.amp == "bf16" else []
+    flags += ["--channels-last"] if choice.channels_last else []
+    out = args.output_dir / "runs"
+    command = [sys.executable, str(args.timm_train), str(data), *flags, "--output", str(out), "--experiment", "timm"]
+    wall = logged_run(args, "timm", command)
+    rates = timm_rates((args.output_dir / "logs" / "timm.log").read_text(), args.epochs)
+    measured = {"img_per_sec": sum(rates[1:]) / len(rates[1:]), "epoch_img_per_sec": rates, "run_seconds": wall}
+    name = f"timm's train.py: {worker_phrase(cores)}, pinned"
+    yield trained_row(name, "timm", 1, replace(choice, micro_batch=None, workers=cores), measured, peaks, flops)
+
+
+def linked_split(folder: Path, split) -> Path:
+    """`folder` holding train/CLASS/ and validation/CLASS/ with a link to each image of `split`, as timm reads them."""
+    parts = {"train": (split.train_images, split.train_labels), "validation": (split.val_images, split.val_labels)}
+    for part, (images, labels) in parts.items():
+        for number, (image, label) in enumerate(zip(images, labels, strict=True)):
+            link = folder / part / split.classes[label] / f"{number}{Path(image).suffix}"
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(Path(image).resolve())
+    return folder
+
+
+def timm_rates(log: str, epochs: int) -> list[float]:
+    """Each epoch's images per second from timm's train.py's log: its average rate on the epoch's last step."""
+    last = {}
+    for epoch, done, total, rate in re.findall(r"Train: (\d+) \[\s*(\d+)/(\d+).*?\([\d.]+s,\s*([\d.]+)/s\)", log):
+        if int(done) == int(total) - 1:
+            last[int(epoch)] = float(rate)
+    if sorted(last) != list(range(epochs)):
+        raise UserError(f"timm's train.py logged no rate for some of its {epochs} epochs; see its log")
+    return [last[epoch] for epoch in range(epochs)]
 
 
 def profile_rows(args, choice: Choice):
@@ -138,7 +201,9 @@ def run_script(args, name: str, script: list, flags: list, demo: bool = False) -
 def logged_run(args, name: str, command: list) -> float:
     """Run `command`, its output to --output-dir/logs/NAME.log; its wall seconds."""
     log = args.output_dir / "logs" / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    with writing(log):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.touch()  # (the script writes into it)
     print(f"  {name}: {' '.join(command[1:])}", flush=True)
     start = time.perf_counter()
     with open(log, "w") as f:

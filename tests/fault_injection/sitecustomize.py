@@ -13,8 +13,9 @@ FAULT=fsize:EPOCH:BYTES  from the writing of epoch EPOCH's weights and checkpoin
                          save_epoch, in the background writer), no file may grow beyond BYTES (RLIMIT_FSIZE, the
                          kernel's own limit: writes fail with EFBIG, "File too large", as on a full disk they fail
                          with ENOSPC); needs no privileges
-FAULT=delete:EPOCH:STEP  rank 0 deletes the files listed in FAULT_FILES (os.pathsep between them) after STEP
-                         steps of epoch EPOCH (0: before its first), as a cleaning job or a re-sync would
+FAULT=delete:EPOCH:STEP  rank 0 deletes the files (and folders, with all they hold) listed in FAULT_FILES (os.pathsep
+                         between them) after STEP steps of epoch EPOCH (0: before its first), as a cleaning job or a
+                         re-sync would
 FAULT=stop:EPOCH:STEP:SIGNAL  rank 0 sends SIGNAL (TERM, USR1) as it loads batch STEP of epoch EPOCH: to its
                          launcher (torchrun, or the spawn script's first process), which passes it on to every
                          rank, or to itself when it has none; then again to itself as it saves (a second signal
@@ -23,7 +24,7 @@ FAULT=slowsave:SECONDS   each file of an epoch written in the background (multi_
                          SECONDS before it is written, printing "fault: writing NAME" and "fault: wrote NAME"
 
 Several faults: separated by commas (FAULT=delete:1:1,fsize:2:1000000).
-DECODE_LOG=FOLDER        no fault: each image the start-up check decodes is logged (see the end of this file)
+DECODE_LOG=FOLDER        no fault: each image decoded or checked is logged, by rank (see the end of this file)
 The scripts are untouched; this replaces multi_train_utils.train_eval_utils.train_one_epoch in the process before
 they import it. The faults are the run's: auto's measuring steps (autotune/timing.py, which times train_one_epoch
 itself) take none.
@@ -35,6 +36,7 @@ import sys
 if os.environ.get("FAULT"):
     import multiprocessing
     import resource
+    import shutil
     import signal
     import time
     from pathlib import Path
@@ -64,8 +66,8 @@ if os.environ.get("FAULT"):
     def delete_at(step: int):
         def each(done, batch):
             if done == step:
-                for path in os.environ["FAULT_FILES"].split(os.pathsep):
-                    Path(path).unlink(missing_ok=True)
+                for path in map(Path, os.environ["FAULT_FILES"].split(os.pathsep)):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
             return batch
 
         return each
@@ -146,15 +148,18 @@ if os.environ.get("FAULT"):
             full_disk_from(int(numbers[0]), int(numbers[1]))
 
 if os.environ.get("DECODE_LOG") and sys.argv[0].endswith(".py"):
-    # DECODE_LOG=FOLDER: every script process (torchrun's workers, not torchrun itself) appends to FOLDER/<pid>.log
-    # the path of each image its start-up check decodes (dataset/images.py's image_problem), one a line.
+    # DECODE_LOG=FOLDER: every script process (torchrun's workers, not torchrun itself) and the processes it starts
+    # append to FOLDER/rank<RANK>.log the path of each image decoded for it (dataset/images.py's load_rgb: the image
+    # store's build, the loader's reads) or checked (image_problem: the image check), one a line.
     from dataset import images
 
-    real_image_problem = images.image_problem
+    def logged(function):
+        def log_then_call(path, *args, **kwargs):
+            name = f"rank{os.environ.get('RANK', '0')}.log"
+            with open(os.path.join(os.environ["DECODE_LOG"], name), "a") as log:
+                log.write(f"{path}\n")
+            return function(path, *args, **kwargs)
 
-    def logged_image_problem(path):
-        with open(os.path.join(os.environ["DECODE_LOG"], f"{os.getpid()}.log"), "a") as log:
-            log.write(f"{path}\n")
-        return real_image_problem(path)
+        return log_then_call
 
-    images.image_problem = logged_image_problem
+    images.image_problem, images.load_rgb = logged(images.image_problem), logged(images.load_rgb)
