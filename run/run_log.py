@@ -63,7 +63,8 @@ class RunLog:
             data_path=plan.data_path, weights=plan.weights, resume=plan.resume, output_dir=plan.output_dir,
             world_size=process.world_size, device=str(process.device), channels_last=choice.channels_last,
             amp=choice.amp,  # what auto chose, so that predict.py and evaluate.py compute as the run did
-            micro_batch=choice.micro_batch, batches=choice.batches,  # what auto chose
+            micro_batch=choice.micro_batch,  # what auto chose; where it made batches, as the flag (held or streamed:
+            batches="device" if choice.on_device else choice.batches,  # as the device's room says at each start)
             split=split_fingerprint(plan.split, plan.data_path),  # a resume checks it has the same images
             **plan.given,  # the run's --batch-size and --lr as given, and for how many processes
         )  # fmt: skip

@@ -26,7 +26,9 @@ EXTERNAL_FLAGS = {
     "--dist",
 }  # fmt: skip
 EXTERNAL_NAMES = {"bf16_compress_hook", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"}
-EXTERNAL_FILES = {"train.py"}  # timm's, at the top of a pytorch-image-models checkout (the benchmark's timm row)
+# timm's train.py, the top of a pytorch-image-models checkout, never committed here (the benchmark's timm row; a GPU
+# session carries it as peers/timm_train.py)
+EXTERNAL_FILES = {"train.py", "timm_train.py"}
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9](?![\w-])")
 
 
@@ -107,7 +109,7 @@ def defined_in(module: Path) -> frozenset[str]:
 def file_exists(name: str, near: Path = ROOT) -> bool:
     """A path from the root, from tests/ or from `near`'s folder; or the name of one file of the project."""
     if (
-        name in EXTERNAL_FILES
+        Path(name).name in EXTERNAL_FILES
         or (ROOT / name).exists()
         or (ROOT / "tests" / name).exists()
         or (near.parent / name).exists()
