@@ -76,9 +76,9 @@ class TrainingBatches:
         rows = self.plan(index, seeds)
         return self.crops(self.gather(rows).to(self.device), rows), torch.from_numpy(self.labels[index])
 
-    def gather(self, rows: np.ndarray, out=None) -> torch.Tensor:
+    def gather(self, rows: np.ndarray, pin: bool = False) -> torch.Tensor:
         """The boxes of `rows` gathered from the images, where they are (gather_boxes)."""
-        return gather_boxes(self.pixels, self.offsets, self.sizes[:, 1], rows, self.taps, out)
+        return gather_boxes(self.pixels, self.offsets, self.sizes[:, 1], rows, self.taps, pin)
 
     def crops(self, boxes: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """The batch of `rows` resized from their `boxes` (on the device): on the CPU by the loader's own call (8-bit),
@@ -102,7 +102,7 @@ class TrainingBatches:
         neither."""
         cuda = self.device.type == "cuda"
         pin = cuda and torch.cuda.is_available()
-        gathered = Ahead(lambda rows: (self.gather(rows, pinned(rows, self.taps) if pin else None), rows), parts)
+        gathered = Ahead(lambda rows: (self.gather(rows, pin), rows), parts)
         copies = torch.cuda.Stream(self.device) if cuda else None
         pending = None
         for boxes, rows in gathered:
@@ -149,13 +149,7 @@ def held_on(device: torch.device, images) -> tuple[torch.Tensor, np.ndarray]:
     return pixels, offsets
 
 
-def pinned(rows: np.ndarray, taps: int) -> torch.Tensor:
-    """Pinned host memory for the gathered boxes of `rows` (from torch's caching allocator: reused, not made anew)."""
-    tall, wide = int(rows[:, 3].max()) + taps, int(rows[:, 4].max()) + taps
-    return torch.empty((len(rows) * tall, wide * 3), dtype=torch.uint8, pin_memory=True)
-
-
-def gather_boxes(pixels, offsets, widths, rows: np.ndarray, margin: int, out=None) -> torch.Tensor:
+def gather_boxes(pixels, offsets, widths, rows: np.ndarray, margin: int, pin: bool = False) -> torch.Tensor:
     """(images, tallest box + margin, widest box + margin, 3): each row's box (index, top, left, height, width) of
     the images one after another in `pixels` (image i from offsets[i], widths[i] wide), at its top left, read row by
     row; below a box, its last row again; right of it, whatever bytes follow there (the resampling weighs both 0):
@@ -169,15 +163,16 @@ def gather_boxes(pixels, offsets, widths, rows: np.ndarray, margin: int, out=Non
     if pixels.device.type == "cpu":  # numpy's copy: a torch operation in the stream's thread would start an OpenMP
         source = pixels.numpy()  # team for it, and more threads than cores slow the step's own (docs/performance.md)
         windows = np.lib.stride_tricks.as_strided(source, (len(source) - wide * 3 + 1, wide * 3), (1, 1))
-        gathered = windows[starts.reshape(-1)]  # (indexing a view copies the rows it picks, np.take the whole view)
-        if out is None:
-            return torch.from_numpy(gathered).view(len(rows), tall, wide, 3)
-        out.numpy()[...] = gathered
+        out = torch.from_numpy(windows[starts.reshape(-1)])  # (indexing copies the rows it picks, np.take the view)
+        if pin:  # copied by numpy into pinned memory, which torch's caching allocator reuses
+            pinned = torch.empty(out.shape, dtype=torch.uint8, pin_memory=True)
+            pinned.numpy()[...] = out.numpy()
+            out = pinned
         return out.view(len(rows), tall, wide, 3)
     windows = pixels.unfold(0, wide * 3, 1)  # every run of wide x 3 bytes, a view
     starts = torch.from_numpy(starts.reshape(-1))
     starts = starts.pin_memory().to(pixels.device, non_blocking=True)
-    return torch.index_select(windows, 0, starts, out=out).view(len(rows), tall, wide, 3)
+    return torch.index_select(windows, 0, starts).view(len(rows), tall, wide, 3)
 
 
 def crop_and_flip(transform: v2.Compose) -> tuple[v2.RandomResizedCrop, v2.RandomHorizontalFlip]:

@@ -66,18 +66,12 @@ class Store:
 
     def __init__(self, path: Path):
         self.path = path
-        header, index_at, start, size = read_header(path)
-        count, sides = header["count"], len(header["min_sides"])
-        with open(path, "rb") as file:
-            file.seek(index_at)
-            offsets = np.fromfile(file, np.int64, count * sides).reshape(count, sides)
-            shapes = np.fromfile(file, np.int64, count * sides * 2).reshape(count, sides, 2)
-            state = np.fromfile(file, np.uint8, count)
+        header, offsets, shapes, state, _, start = read_index(path)
         self.paths, self.min_sides, self.shapes = header["paths"], header["min_sides"], shapes
         self.offsets = np.where(state[:, None] == STATE_DONE, offsets, -1)
         self.rows = {name: row for row, name in enumerate(self.paths)}
-        self.start, self.size = start, size
-        self.pixels = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)[start:]
+        self.start, self.size = start, start + header["bytes"]
+        self.pixels = torch.from_file(str(path), shared=False, size=self.size, dtype=torch.uint8)[start:]
 
     def unreadable(self) -> list[str]:
         return [name for name, offset in zip(self.paths, self.offsets[:, 0], strict=True) if offset < 0]
@@ -204,19 +198,16 @@ def cap_to_fit(sizes: list, folder: Path, cap: int | None) -> tuple[int | None, 
 def decode_into(partial: Path, paths: list[str], state: np.ndarray, pool, decoding: tuple) -> None:
     """Decode the images `state` marks to do into the partial store, by `pool`'s processes, each image's new state
     written as its task ends (after its pixels: a state on disk never claims pixels that are not)."""
-    header, index_at, start, _ = read_header(partial)
-    count, sides = len(paths), len(header["min_sides"])
+    _, offsets, shapes, _, states_at, start = read_index(partial)
+    offsets, shapes = offsets.tolist(), shapes.tolist()
     with open(partial, "r+b", buffering=0) as file:  # (each state to the system as it is written: a kill keeps it)
-        file.seek(index_at)
-        offsets = np.fromfile(file, np.int64, count * sides).reshape(count, sides).tolist()
-        shapes = np.fromfile(file, np.int64, count * sides * 2).reshape(count, sides, 2).tolist()
         todo = np.flatnonzero(state == STATE_TODO).tolist()
         parts = [todo[i : i + TASK_IMAGES] for i in range(0, len(todo), TASK_IMAGES)]
         tasks = [(str(partial), start, [(i, paths[i], offsets[i], shapes[i]) for i in part], *decoding)
                  for part in parts]  # fmt: skip
         for done in pool.imap_unordered(write_decoded, tasks):
             for index, ok in done:
-                file.seek(index_at + 24 * count * sides + index)
+                file.seek(states_at + index)
                 file.write(bytes([STATE_DONE if ok else STATE_UNREADABLE]))
         file.flush()
         os.fsync(file.fileno())
@@ -248,8 +239,7 @@ def create(partial: Path, paths: list[str], sizes: list, min_sides: list, cap: i
     header = {"version": VERSION, "count": count, "min_sides": list(min_sides), "cap": cap, "bytes": end + tail,
               "paths": paths}  # fmt: skip
     text = json.dumps(header, ensure_ascii=True).encode()
-    index_at = len(MAGIC) + 8 + len(text)
-    start = -(-(index_at + (24 * sides + 1) * count) // ALIGN) * ALIGN
+    start = pixels_start(len(MAGIC) + 8 + len(text) + (24 * sides + 1) * count)
     size = start + end + tail
     with open(partial, "wb") as file:
         file.write(MAGIC + len(text).to_bytes(8, "little") + text)
@@ -264,30 +254,35 @@ def create(partial: Path, paths: list[str], sizes: list, min_sides: list, cap: i
 def resumed(partial: Path, count: int) -> np.ndarray | None:
     """The state of a partial store a build left (None: there is none, or not of these images)."""
     with contextlib.suppress(OSError, ValueError, KeyError):
-        header, index_at, _, _ = read_header(partial)
+        header, _, _, state, _, _ = read_index(partial)
         if header["count"] == count:
-            with open(partial, "rb") as file:
-                file.seek(index_at + 24 * count * len(header["min_sides"]))
-                return np.fromfile(file, np.uint8, count)
+            return state
     return None
 
 
-def read_header(path: Path) -> tuple[dict, int, int, int]:
-    """(the header, where the index starts, where the pixels start, the file's size); ValueError if it is not a
-    whole store file of this version."""
-    size = os.path.getsize(path)
+def read_index(path: Path) -> tuple[dict, np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """(the header; each image's offsets, shapes and state; where the states and where the pixels start in the
+    file); ValueError if it is not a whole store file of this version."""
     with open(path, "rb") as file:
         if file.read(len(MAGIC)) != MAGIC:
             raise ValueError(f"{path} is not a store file")
-        length = int.from_bytes(file.read(8), "little")
-        header = json.loads(file.read(length))
-    if header.get("version") != VERSION:
-        raise ValueError(f"{path} is a store of another version")
-    index_at = len(MAGIC) + 8 + length
-    start = -(-(index_at + (24 * len(header["min_sides"]) + 1) * header["count"]) // ALIGN) * ALIGN
+        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+        if header.get("version") != VERSION:
+            raise ValueError(f"{path} is a store of another version")
+        count, sides = header["count"], len(header["min_sides"])
+        offsets = np.fromfile(file, np.int64, count * sides).reshape(count, sides)
+        shapes = np.fromfile(file, np.int64, count * sides * 2).reshape(count, sides, 2)
+        states_at = file.tell()
+        state = np.fromfile(file, np.uint8, count)
+    start, size = pixels_start(states_at + count), os.path.getsize(path)
     if size != start + header["bytes"]:
         raise ValueError(f"{path} holds {size} bytes, not the {start + header['bytes']} of its header")
-    return header, index_at, start, size
+    return header, offsets, shapes, state, states_at, start
+
+
+def pixels_start(index_end: int) -> int:
+    """Where the pixels start: the first page after the header and the index."""
+    return -(-index_end // ALIGN) * ALIGN
 
 
 STORE_ENV = "FLOWERS_STORE_DIR"  # the store's folder, where --store-dir does not say: for tests, or a shared disk

@@ -169,7 +169,10 @@ class FakeCuda(TorchDispatchMode):
                 patches.enter_context(substituted(owner, name, value))
         patches.enter_context(substituted(torch.Tensor, "backward", backward))  # (see backward)
         patches.enter_context(substituted(torch.Tensor, "record_stream", lambda tensor, stream: None))
-        patches.enter_context(substituted(torch, "empty", unpinned_empty))  # (any thread's: see unpinned_empty)
+        # (any thread's: see unpinned_empty), once torch's default-device mode has cached its factories, the real
+        # torch.empty among them: cached with the substitute, `with torch.device(...)` would leave tensors on the CPU
+        torch.utils._device._device_constructors()
+        patches.enter_context(substituted(torch, "empty", unpinned_empty))
         if hasattr(fake_tensor, "init_gpu_context"):  # torch 2.11 starts a real GPU before its first fake CUDA tensor
             patches.enter_context(substituted(fake_tensor, "init_gpu_context", lambda device: None))
         patches.enter_context(self.fake)  # beneath this mode: what reaches it is on a GPU

@@ -111,40 +111,32 @@ def photo_like_images(folder: Path, count: int) -> Path:
 
 def decode_seconds(data: Path) -> float:
     """Seconds one core takes to decode an image of `data` as the store does (once for each shape it takes at a run's
-    decode sizes), over SAMPLE images."""
+    decode sizes), over SAMPLE images (PIL decodes in the thread that asks)."""
+    paths, sides = sample_of(data), decode_sides(Config.default("img_size"))
+    start = time.perf_counter()
+    for path in paths:
+        shapes = {decoded_size(path, side): side for side in reversed(sides)}  # (the store decodes each once)
+        for side in shapes.values():
+            load_rgb(path, side).tobytes()
+    return (time.perf_counter() - start) / len(paths)
+
+
+def sample_of(data: Path) -> list[str]:
+    """The first SAMPLE images of `data`'s split."""
     split = read_split_data(data)
-    paths = (split.train_images + split.val_images)[:SAMPLE]
-    sides = decode_sides(Config.default("img_size"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        start = time.perf_counter()
-        for path in paths:
-            shapes = {decoded_size(path, side): side for side in reversed(sides)}  # (the store decodes each once)
-            for side in shapes.values():
-                load_rgb(path, side).tobytes()
-        return (time.perf_counter() - start) / len(paths)
-    finally:
-        torch.set_num_threads(threads)
+    return (split.train_images + split.val_images)[:SAMPLE]
 
 
 def store_formats(data: Path, side: int = 256, quality: int = 90) -> list[dict]:
     """The store's candidate formats on SAMPLE images of `data`, each on one core: the bytes an image takes, the
     milliseconds to make it from its file (once, building the store) and to read it back as pixels (every epoch).
     Raw pixels as the store keeps them; JPEG re-encoded with its shorter side at most `side`; the files as they are."""
-    split = read_split_data(data)
-    paths = (split.train_images + split.val_images)[:SAMPLE]
-    min_side = decode_sides(Config.default("img_size"))[0]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        build, decoded = timed(lambda: [load_rgb(path, min_side) for path in paths])
-        raw = [image.tobytes() for image in decoded]
-        encode, jpegs = timed(lambda: [encoded(image, side, quality) for image in decoded])
-        read_raw, _ = timed(lambda: [np.frombuffer(pixels, np.uint8).copy() for pixels in raw])
-        read_jpeg, _ = timed(lambda: [Image.open(io.BytesIO(jpeg)).convert("RGB").tobytes() for jpeg in jpegs])
-    finally:
-        torch.set_num_threads(threads)
+    paths, min_side = sample_of(data), decode_sides(Config.default("img_size"))[0]
+    build, decoded = timed(lambda: [load_rgb(path, min_side) for path in paths])
+    raw = [image.tobytes() for image in decoded]
+    encode, jpegs = timed(lambda: [encoded(image, side, quality) for image in decoded])
+    read_raw, _ = timed(lambda: [np.frombuffer(pixels, np.uint8).copy() for pixels in raw])
+    read_jpeg, _ = timed(lambda: [Image.open(io.BytesIO(jpeg)).convert("RGB").tobytes() for jpeg in jpegs])
     milliseconds = 1000 / len(paths)
     files = [Path(path).read_bytes() for path in paths]
     rows = [("raw 8-bit pixels", raw, build, read_raw),
