@@ -39,7 +39,7 @@ def main(argv=None):
 def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
-    # The images, mapped from the image store (decoded once, by the first run; --store-dir): an epoch only crops them
+    # The images, mapped from the image store (decoded once by the first run; --store-dir): an epoch only crops them
     train_set, val_set, decoding_line = datasets(plan, config)
     # What the flags leave to auto is measured on this machine's cores, or remembered from a run: autotune/choose.py
     choice = choose(config, plan, device, 1, train_set)
