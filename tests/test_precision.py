@@ -39,10 +39,12 @@ def test_mixed_precision_steps_learn_a_fixed_batch(amp):
     # The scale starts at 2**10, not the default 2**16, which spends the first steps halving itself on overflows.
     scaler = torch.amp.GradScaler("cpu", init_scale=2**10, enabled=amp == "fp16")
     training = Training(model, optimizer, choice=Choice(amp, channels_last=True), scaler=scaler)
-    # 16 px: every layer still computes (layer4 on 1 x 1 pixels), at a third less of the time 32 px takes
-    first, _ = train_one_epoch(training, fixed_batches(1, size=16), CPU, 0)
-    train_one_epoch(training, fixed_batches(5, size=16), CPU, 0)
-    last, _ = train_one_epoch(training, fixed_batches(1, size=16), CPU, 0)
+    # 32 px: layer4's first convolution reads 2 x 2 pixels. At 16 px it reads 1 x 1, where the CPU's bfloat16 weight
+    # gradient (oneDNN, on a Zen 4) came out non-finite in about 1 run in 4, the loss unchanged: the kernel's, not
+    # the step's (2026-11-29)
+    first, _ = train_one_epoch(training, fixed_batches(1, size=32), CPU, 0)
+    train_one_epoch(training, fixed_batches(5, size=32), CPU, 0)
+    last, _ = train_one_epoch(training, fixed_batches(1, size=32), CPU, 0)
     assert last < 0.5 * first, (first, last)  # memorising 4 images: the loss falls steeply
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())  # master weights
     if amp == "fp16":
