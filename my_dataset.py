@@ -1,5 +1,4 @@
-"""The dataset the scripts train and validate on (MyDataSet), the training and validation sets of a split
-(datasets), and their batches (loaders): made on the device, or by loader processes. Its parts are in dataset/."""
+"""The scripts' dataset (MyDataSet), a split's two sets (datasets) and their batches (loaders); parts in dataset/."""
 
 import atexit
 import multiprocessing
@@ -48,38 +47,34 @@ class MyDataSet(Dataset):
         return (image if self.transform is None else self.transform(image)), label
 
 
-def datasets(plan, config) -> tuple[MyDataSet, MyDataSet, str]:
-    """The plan's training and validation sets, their images mapped from its image store where it has one, and the
-    line saying where they come from."""
+def datasets(plan, config) -> tuple[MyDataSet, MyDataSet]:
+    """The plan's training and validation sets, mapped from its image store if any."""
     split = plan.split
     augment = train_transform(config.img_size, auto_augment=config.auto_augment, random_erase=config.random_erase)
-    resize = val_transform(config.img_size)
+    preset = val_transform(config.img_size)
     train_set = MyDataSet(split.train_images, split.train_labels, augment)
-    val_set = MyDataSet(split.val_images, split.val_labels, resize)
+    val_set = MyDataSet(split.val_images, split.val_labels, preset)
     if plan.store is not None:
         store = Store(plan.store)
         for data in (train_set, val_set):
             data.decoded = store.images(data.images_path, data.min_side)
-    return train_set, val_set, plan.images_line
+    return train_set, val_set
 
 
 def loaders(train_set, val_set, batches, val_sampler, config, choice, device: torch.device):
     """The training and validation batches, made where auto chose: on the device, or by loader workers (EpochsAhead)."""
     if not choice.on_device:
-        persistent = choice.workers > 0 and config.persistent_workers
-        loading = {"num_workers": choice.workers, "persistent_workers": persistent, "pin_memory": device.type == "cuda",
-                   "worker_init_fn": ignore_stop_signals}  # fmt: skip
+        loading = dict(num_workers=choice.workers, persistent_workers=choice.workers > 0 and config.persistent_workers,
+                       pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)  # fmt: skip
         training = DataLoader(train_set, batch_sampler=batches, **loading)
         validation = DataLoader(val_set, batch_size=config.batch_size, sampler=val_sampler, **loading)
         return EpochsAhead(training, config.epochs), EpochsAhead(validation)
-    streamed = choice.batches == "stream"
-    return (TrainingBatches(train_set, batches, device, choice.memory_format, streamed),
+    return (TrainingBatches(train_set, batches, device, choice.memory_format, choice.batches == "stream"),
             ValidationBatches(val_set, val_sampler, config.batch_size, device))  # fmt: skip
 
 
 class EpochsAhead:
-    """A DataLoader whose next pass starts as soon as one ends: persistent workers load the next epoch's first
-    batches while this process validates and saves. A pass for another epoch than the one started starts anew."""
+    """A DataLoader whose workers load the next epoch while this process validates; another epoch starts anew."""
 
     def __init__(self, loader: DataLoader, epochs: int | None = None):
         self.loader, self.epochs = loader, epochs

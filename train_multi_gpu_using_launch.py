@@ -35,8 +35,8 @@ from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
 from run.config import parse_config
 from run.metrics import best_so_far, epoch_metrics
-from run.plan import prepare
-from run.run_log import RunLog, announce
+from run.plan import announce, prepare
+from run.run_log import RunLog
 from utils import entry_point
 
 
@@ -60,10 +60,10 @@ def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
     # The images, mapped from the image store (decoded once by the first run; --store-dir); DDP: one copy for all
-    train_set, val_set, decoding_line = datasets(plan, config)
+    train_set, val_set = datasets(plan, config)
     # DDP: the processes on this machine share its cores; what the flags leave to auto, rank 0 measures for all
     choice = choose(config, plan, device, process.local_world_size, train_set)
-    announce(config, plan, process, choice, decoding_line)
+    announce(config, plan, process, choice)
 
     # The data. DDP: each process trains on its own shard of every epoch's shuffle (a DistributedSampler)...
     batches = shuffled_batches(train_set, config.batch_size, config.seed, process.rank, process.world_size)
@@ -84,7 +84,7 @@ def train(config, plan, process) -> dict:
     trained = torch.compile(trained) if config.compile else trained
 
     # The recipe. DDP: a step averages world_size batches, so the learning rate is world_size times --lr
-    optimizer, scheduler = build_optimizer(trained, config, len(train_loader), world_size=process.world_size)
+    optimizer, scheduler = build_optimizer(model, config, len(train_loader), world_size=process.world_size)
     training = Training(
         trained, optimizer, scheduler, choice, choice.grad_scaler(device),
         objective=build_objective(config, plan.split, device), accumulate=config.accumulate,

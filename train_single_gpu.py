@@ -23,8 +23,8 @@ from recipe.loss import build_objective
 from recipe.optimizer import build_optimizer, model_ema
 from run.config import parse_config
 from run.metrics import best_so_far, epoch_metrics
-from run.plan import prepare
-from run.run_log import RunLog, announce
+from run.plan import announce, prepare
+from run.run_log import RunLog
 from utils import entry_point
 
 
@@ -40,10 +40,10 @@ def train(config, plan, process) -> dict:
     """Train and validate in this process for config.epochs epochs; returns the last epoch's metrics."""
     device = process.device
     # The images, mapped from the image store (decoded once by the first run; --store-dir): an epoch only crops them
-    train_set, val_set, decoding_line = datasets(plan, config)
+    train_set, val_set = datasets(plan, config)
     # What the flags leave to auto is measured on this machine's cores, or remembered from a run: autotune/choose.py
     choice = choose(config, plan, device, 1, train_set)
-    announce(config, plan, process, choice, decoding_line)
+    announce(config, plan, process, choice)
 
     # The data: every epoch a new seeded shuffle of all the training images, in batches
     batches = shuffled_batches(train_set, config.batch_size, config.seed)
@@ -60,7 +60,7 @@ def train(config, plan, process) -> dict:
     trained = torch.compile(trained) if config.compile else trained
 
     # The recipe
-    optimizer, scheduler = build_optimizer(trained, config, len(train_loader))
+    optimizer, scheduler = build_optimizer(model, config, len(train_loader))
     training = Training(
         trained, optimizer, scheduler, choice, choice.grad_scaler(device),
         objective=build_objective(config, plan.split, device), accumulate=config.accumulate,

@@ -1,5 +1,4 @@
-"""The optimizer, its learning-rate schedule and parameter groups, and the weights' moving average (EMA): torch's
-SGD, AdamW, LambdaLR and AveragedModel, combined so that every option means the same on one process and on eight."""
+"""The optimizer, schedule, parameter groups and EMA: every option means the same on one process and on eight."""
 
 import functools
 import math
@@ -9,13 +8,11 @@ from torch import nn
 from torch.optim import SGD, AdamW, lr_scheduler
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from network.architectures import unwrapped
 from network.groups import layer_scales, norms_and_biases
 
 
 def build_optimizer(model, config, batches_per_epoch: int, world_size: int = 1):
-    """The optimizer at learning_rate's full rate, and its schedule (schedule_factor), stepped after every optimizer
-    step: ceil(`batches_per_epoch` / --accumulate) of them an epoch."""
+    """The optimizer at learning_rate's full rate, and its schedule (schedule_factor), stepped every optimizer step."""
     rate = learning_rate(config, world_size)
     groups = parameter_groups(model, config, rate)
     # fused: one kernel for every parameter (docs/performance.md), and float16's scaler skips steps without the host
@@ -27,23 +24,21 @@ def build_optimizer(model, config, batches_per_epoch: int, world_size: int = 1):
         params = [p for p in model.parameters() if p.requires_grad]
         for param in params if config.momentum else []:
             optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
-    steps = math.ceil(batches_per_epoch / config.accumulate)
-    factor = functools.partial(
-        schedule_factor, steps_per_epoch=steps, epochs=config.epochs, warmup_epochs=config.warmup_epochs, lrf=config.lrf
-    )
+    factor = functools.partial(schedule_factor, steps_per_epoch=math.ceil(batches_per_epoch / config.accumulate),
+                               epochs=config.epochs, warmup_epochs=config.warmup_epochs, lrf=config.lrf)  # fmt: skip
     return optimizer, lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def parameter_groups(model, config, rate: float) -> list:
     """The trainable parameters: one list, or groups sharing a rate and a weight decay (--layer-decay,
-    --norm-weight-decay), the head's first: param_groups[0] has the full rate, the rate a run reports."""
+    --norm-weight-decay), the head's first: param_groups[0] has the full rate, the rate a run reports. `model` is the
+    network itself, not DDP's or torch.compile's wrapper: its parameters' names choose their groups."""
     if config.layer_decay == 1 and config.norm_weight_decay is None:
         return [p for p in model.parameters() if p.requires_grad]
-    network = unwrapped(model)  # the names without DDP's or torch.compile's prefixes
-    scales = layer_scales(network, config.model, config.layer_decay) if config.layer_decay != 1 else {}
-    norms = norms_and_biases(network, config.model) if config.norm_weight_decay is not None else frozenset()
+    scales = layer_scales(model, config.model, config.layer_decay) if config.layer_decay != 1 else {}
+    norms = norms_and_biases(model, config.model) if config.norm_weight_decay is not None else frozenset()
     groups = {}
-    for name, parameter in network.named_parameters():
+    for name, parameter in model.named_parameters():
         if parameter.requires_grad:
             lr = rate * scales.get(name, 1.0)
             decay = config.norm_weight_decay if name in norms else config.weight_decay
@@ -57,15 +52,13 @@ def learning_rate(config, world_size: int = 1) -> float:
 
 
 def describe_learning_rate(config, world_size: int = 1) -> str:
-    """The line a run prints about its learning rate."""
     global_batch = config.batch_size * world_size * config.accumulate
     return (f"Learning rate {learning_rate(config, world_size):g} (--lr {config.lr:g} x {world_size} process(es) x "
             f"{config.accumulate} batch(es)) for a global batch of {global_batch}")  # fmt: skip
 
 
 def schedule_factor(step: int, *, steps_per_epoch: int, epochs: int, warmup_epochs: int, lrf: float) -> float:
-    """The learning rate at optimizer step `step` (from 0 over the run) as a share of the full rate: a linear warmup
-    (1/W, 2/W, ..., 1), then a half cosine from 1 down to lrf at the end of the last epoch."""
+    """The learning rate at optimizer step `step` (from 0) as a share of the full rate: a warmup, then half a cosine."""
     warmup = warmup_epochs * steps_per_epoch
     if step < warmup:
         return (step + 1) / warmup
@@ -74,13 +67,11 @@ def schedule_factor(step: int, *, steps_per_epoch: int, epochs: int, warmup_epoc
 
 
 def model_ema(model: nn.Module, decay: float) -> AveragedModel:
-    """An exponential moving average of `model`'s weights and buffers, updated after each optimizer step."""
     return ExponentialMovingAverage(model, decay)
 
 
 class ExponentialMovingAverage(AveragedModel):
-    """torch's AveragedModel with an update that never makes the host wait for the device (torch's copies its count
-    of updates there at every step); the same state_dict."""
+    """torch's AveragedModel, the same state_dict, with an update that never makes the host wait for the device."""
 
     def __init__(self, model: nn.Module, decay: float):
         super().__init__(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)

@@ -1,11 +1,14 @@
 """The checked plan: what a run decides from its configuration before any training process starts (`prepare`),
-so that every mistake in the input ends here, in one line (docs/resuming-and-failures.md)."""
+so that every mistake in the input ends here, in one line (docs/resuming-and-failures.md); and the run's first
+lines, the plan with auto's choice (`announce`)."""
 
 import os
 import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import torch
 
 from dataset.demo import DEMO_DATA_PATH, make_demo_data
 from dataset.folders import DataSplit, read_split_data, split_fingerprint
@@ -14,9 +17,17 @@ from dataset.store import StoredImages, store_folder
 from dataset.transforms import decode_sides
 from model import check_input_size
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from multi_train_utils.distributed_utils import check_backend, launcher_environment, resolve_device
+from multi_train_utils.distributed_utils import (
+    check_backend,
+    launcher_environment,
+    print_once,
+    resolve_device,
+    warn_once,
+)
 from network.architectures import batch_statistics, create_model, random_draws
 from network.weights import load_weights, read_state_dict, weights_file
+from recipe.loss import describe_class_weights
+from recipe.optimizer import describe_learning_rate
 from run.config import Config, admitted
 from run.folder_lock import hold_run_folder
 from run.metrics import METRICS_NAME, read_metrics
@@ -38,7 +49,7 @@ class Plan:
     saved: dict | None = None  # the resumed checkpoint's record of its run (run_record), None for a new run
     store: Path | None = None  # the image store of the split's images (dataset/store.py), None: read from files
     images_line: str = ""  # what became of the images: in a store, or read from their files every epoch
-    uncompiled: bool = False  # --compile given, and off for what it lacks here (compiled_if_it_can)
+    recipe_lines: tuple = ()  # what the run's start says of its learning rate, class weights and compilation
 
     @property
     def tracked_run(self) -> dict | None:
@@ -53,7 +64,6 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     # What the run needs beyond Python, before anything is loaded: where it lacks it, the fallback said in one line
     asked_to_compile = config.compile
     config = compiled_if_it_can(config)
-    uncompiled = asked_to_compile and not config.compile  # said again at the run's start (announce)
     config = reachable_tracker(config) if first_rank() else config  # rank 0 tracks
     check_backend(config.dist_backend)  # nccl where this torch has none (Windows, macOS): said before any worker
     check_input_size(config.model, config.img_size)  # a ViT at 48 px: one line, before any folder is made
@@ -90,9 +100,31 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
         read_metrics(output_dir / METRICS_NAME)  # a damaged record of the epochs refuses the resume before any write
     if first_rank() and stored.path is None:
         check.save(output_dir)  # the images' verdicts, for the next start of this run (a restart, a resume)
+    lines = recipe_lines(config, split, world_size, uncompiled=asked_to_compile and not config.compile)
     return config, Plan(
-        Path(data_path), split, output_dir, weights, resume, given, saved, stored.path, stored.line, uncompiled
+        Path(data_path), split, output_dir, weights, resume, given, saved, stored.path, stored.line, lines
     )
+
+
+def announce(config, plan, process, choice) -> None:
+    """The run's first lines: its processes, data, auto's choice, a resume's note, and the plan's recipe lines."""
+    split = plan.split
+    backend = f", backend {torch.distributed.get_backend()}" if process.distributed else ""
+    lines = [f"{config.script}: {process.world_size} process(es) on {process.device.type}{backend}"]
+    if process.device.type == "cpu" and not torch.cuda.is_available():
+        lines.append("No CUDA GPU found: training on the CPU.")
+    lines.append(
+        f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
+        f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; "
+        f"{choice.workers} loader workers per process"
+    )
+    lines += [plan.images_line, *choice.lines, inexact_resume_note(config, plan.saved, process.world_size, choice)]
+    lines += plan.recipe_lines
+    if split.unreadable:
+        warn_once(f"skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
+    for line in lines:
+        if line is not None:
+            print_once(line)
 
 
 def check_split(config: Config, split: DataSplit, data_path: Path, world_size: int) -> None:
@@ -101,26 +133,34 @@ def check_split(config: Config, split: DataSplit, data_path: Path, world_size: i
     if split.unreadable and config.strict_images:
         raise UserError(f"{len(split.unreadable)} unreadable image(s) (--strict-images): {describe(split.unreadable)}")
     if len(split.classes) < 2:  # one class: its loss is 0 from the first step, and nothing is learnt
-        raise UserError(
-            f"{data_path} has one class folder ({split.classes[0]}): a classifier needs at least 2 classes to tell "
-            "apart, each a sub-folder of the data path"
-        )
+        raise UserError(f"{data_path} has one class folder ({split.classes[0]}): a classifier needs at least 2 classes "
+                        "to tell apart, each a sub-folder of the data path")  # fmt: skip
     if config.num_classes is not None and config.num_classes != len(split.classes):
-        raise UserError(
-            f"--num-classes {config.num_classes} but {data_path} has {len(split.classes)} class folders: "
-            + ", ".join(split.classes)
-        )
+        raise UserError(f"--num-classes {config.num_classes} but {data_path} has {len(split.classes)} class folders: "
+                        + ", ".join(split.classes))  # fmt: skip
     per_process = len(split.train_images) // world_size
     if per_process < config.batch_size:
-        raise UserError(
-            f"--batch-size {config.batch_size} is larger than the {per_process} training images each of "
-            f"{world_size} process(es) gets: an epoch would have no step"
-        )
+        raise UserError(f"--batch-size {config.batch_size} is larger than the {per_process} training images each of "
+                        f"{world_size} process(es) gets: an epoch would have no step")  # fmt: skip
 
 
 def first_rank() -> bool:
     """Whether this process is rank 0, before any process group exists (under torchrun every rank prepares)."""
     return (launcher_environment() or {}).get("rank", 0) == 0
+
+
+def recipe_lines(config: Config, split: DataSplit, world_size: int, uncompiled: bool) -> tuple:
+    """The lines the run's start says of its learning rate, class weights (if any) and compilation."""
+    compiling = (  # auto never compiles, as measured (docs/performance.md, "Compiled")
+        "Compile: on (--compile): the first steps compile the model, the later ones run compiled"
+        if config.compile
+        else f"Compile: off (--compile given, but it needs {compile_needs(resolve_device(config.device).type)})"
+        if uncompiled
+        else "Compile: off (auto never compiles: measured, a compilation of half a minute or more repays itself only "
+        "in long GPU runs, never on a CPU; --compile to compile, docs/performance.md says when)"
+    )
+    lines = (describe_learning_rate(config, world_size), describe_class_weights(config, split), compiling)
+    return tuple(line for line in lines if line is not None)
 
 
 def compiled_if_it_can(config: Config) -> Config:
@@ -159,10 +199,9 @@ FINISHED_EPOCH_FILES = (METRICS_NAME, CHECKPOINT_NAME, "weights/*.pth")
 
 
 def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> None:
-    """Refuse, before any file is touched, a run that would write into another run's folder: a resume writes into
-    its own or one holding no run's files, a new run into one holding no finished epoch (a new run replaces a start
-    that finished none); a restart (--auto-resume, the folder holding no checkpoint) continues a start that saved
-    none, whatever it wrote: docs/resuming-and-failures.md, "One run per folder"."""
+    """Refuse a run that would write into another run's folder: a resume writes into its own or one holding no run's
+    files, a new run into one holding no finished epoch (replacing a start that finished none), a restart (--auto-resume
+    without a checkpoint) into one whose start saved none (docs/resuming-and-failures.md, "One run per folder")."""
     if resume is not None and output_dir.resolve() == resume.parent.resolve():
         return
     found = run_files_in(output_dir)
@@ -185,18 +224,14 @@ def claim_run_folder(output_dir: Path, resume: Path | None, restart: bool) -> No
         with writing(output_dir):
             for path in [path for pattern in finished for path in output_dir.glob(pattern)]:
                 path.unlink()
-        print(
-            f"{output_dir} held a start that saved no checkpoint ({', '.join(finished)}): it starts again", flush=True
-        )
+        print(f"{output_dir} held a start that saved no checkpoint ({', '.join(finished)}): it starts again",
+              flush=True)  # fmt: skip
     elif found and not restart and resume is None:
         with writing(output_dir):
             for path in [path for pattern in found for path in output_dir.glob(pattern)]:
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-        print(
-            f"{output_dir} held the start of a run that ended before its first epoch did ({', '.join(found)}): "
-            "this run starts there anew",
-            flush=True,
-        )
+        print(f"{output_dir} held the start of a run that ended before its first epoch did ({', '.join(found)}): "
+              "this run starts there anew", flush=True)  # fmt: skip
 
 
 def resume_and_output(config: Config, split: DataSplit, data_path: Path, world_size: int):
@@ -238,18 +273,14 @@ def per_process_recipe(config: Config, saved: dict | None, world_size: int, chec
         return config, given
     images = config.batch_size * recipe_world_size  # of a micro-batch over all the processes
     if images % world_size:
-        raise UserError(
-            f"{checkpoint} was trained by {recipe_world_size} process(es) of --batch-size {config.batch_size}: "
-            f"its {images} images a step cannot be shared evenly by {world_size} processes; resume on a number of "
-            f"processes that divides {images}"
-        )
+        raise UserError(f"{checkpoint} was trained by {recipe_world_size} process(es) of --batch-size "
+                        f"{config.batch_size}: its {images} images a step cannot be shared evenly by {world_size} "
+                        f"processes; resume on a number of processes that divides {images}")  # fmt: skip
     batch, lr = images // world_size, config.lr * recipe_world_size / world_size
     if first_rank():  # under torchrun every rank prepares: say it once
-        print(
-            f"Resuming on {world_size} process(es) a run of {recipe_world_size}: {batch} images and --lr {lr:g} "
-            f"per process (the run's --batch-size {config.batch_size}, --lr {config.lr:g}), the same "
-            f"{images * config.accumulate} images and rate a step"
-        )
+        print(f"Resuming on {world_size} process(es) a run of {recipe_world_size}: {batch} images and --lr {lr:g} "
+              f"per process (the run's --batch-size {config.batch_size}, --lr {config.lr:g}), the same "
+              f"{images * config.accumulate} images and rate a step")  # fmt: skip
     return replace(config, batch_size=batch, lr=lr), given
 
 
@@ -296,10 +327,8 @@ def check_same_recipe(checkpoint: Path, saved: dict, config: Config) -> None:
             + f": resume it with {own_flags}, or start a new {config.model} run without its weights ({theirs}'s "
             f"do not fit {config.model})"
         )
-    raise UserError(
-        f"{checkpoint} was trained with {', '.join(changed)}: resume with {own_flags}, or start a new run from its "
-        f"weights (--weights {checkpoint.parent / 'weights' / 'best.pth'})"
-    )
+    raise UserError(f"{checkpoint} was trained with {', '.join(changed)}: resume with {own_flags}, or start a new "
+                    f"run from its weights (--weights {checkpoint.parent / 'weights' / 'best.pth'})")  # fmt: skip
 
 
 def check_same_split(checkpoint: Path, saved: dict | None, now: dict, unreadable: list[str] = ()) -> None:
@@ -314,14 +343,10 @@ def check_same_split(checkpoint: Path, saved: dict | None, now: dict, unreadable
             had = f" where the run had {then_count}" if now_count != then_count else ", not all the run's"
             changed.append(f"{now_count} {name} images{had}")
     if changed and unreadable:
-        raise UserError(
-            f"{checkpoint} was trained on other images than the data folder's readable ones now, and "
-            f"{len(unreadable)} of its files cannot be read ({describe(unreadable)}): if the run read them, they "
-            "were damaged since; put back readable copies and resume"
-        )
+        raise UserError(f"{checkpoint} was trained on other images than the data folder's readable ones now, and "
+                        f"{len(unreadable)} of its files cannot be read ({describe(unreadable)}): if the run read "
+                        "them, they were damaged since; put back readable copies and resume")  # fmt: skip
     if changed:
         best = checkpoint.parent / "weights" / "best.pth"
-        raise UserError(
-            f"{checkpoint} was trained on another split of the data: {'; '.join(changed)}; resume with the run's "
-            f"data, or start a new run from its weights (--weights {best})"
-        )
+        raise UserError(f"{checkpoint} was trained on another split of the data: {'; '.join(changed)}; resume with "
+                        f"the run's data, or start a new run from its weights (--weights {best})")  # fmt: skip

@@ -1,53 +1,18 @@
-"""What a run prints and writes: its first lines (announce), its record files, and each epoch's line, metrics,
-TensorBoard figures, weights, checkpoint and tracked epoch (RunLog). In DDP rank 0 alone writes."""
+"""What a run writes: its record files, and each epoch's line, metrics, TensorBoard figures, weights, checkpoint and
+tracked epoch (RunLog). In DDP rank 0 alone writes."""
 
 import contextlib
 import time
 
-import torch
-
 from dataset.folders import split_fingerprint, write_class_indices
 from multi_train_utils.bookkeeping import NonFiniteLossError
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, save_epoch, training_state
-from multi_train_utils.distributed_utils import print_once, warn_once
 from multi_train_utils.epoch_writer import EpochWriter, on_host
 from multi_train_utils.memory import OutOfMemory
-from recipe.loss import describe_class_weights
-from recipe.optimizer import describe_learning_rate
 from run.metrics import METRICS_NAME, append_metrics, keep_metrics_before, read_metrics, skipped_note
-from run.plan import compile_needs, inexact_resume_note
 from run.tensorboard import Board
 from run.tracking import Tracking
-from utils import OutputError, describe, write_json
-
-
-def announce(config, plan, process, choice, decoding_line: str) -> None:
-    """The run's first lines: its processes, data, auto's choice, a resume's note, rate, class weights, compilation."""
-    split = plan.split
-    backend = f", backend {torch.distributed.get_backend()}" if process.distributed else ""
-    lines = [f"{config.script}: {process.world_size} process(es) on {process.device.type}{backend}"]
-    if process.device.type == "cpu" and not torch.cuda.is_available():
-        lines.append("No CUDA GPU found: training on the CPU.")
-    lines.append(
-        f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
-        f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; "
-        f"{choice.workers} loader workers per process"
-    )
-    lines += [decoding_line, *choice.lines, inexact_resume_note(config, plan.saved, process.world_size, choice)]
-    lines += [describe_learning_rate(config, process.world_size), describe_class_weights(config, split)]
-    lines.append(  # auto never compiles, as measured (docs/performance.md, "Compiled")
-        "Compile: on (--compile): the first steps compile the model, the later ones run compiled"
-        if config.compile
-        else f"Compile: off (--compile given, but it needs {compile_needs(process.device.type)})"
-        if plan.uncompiled
-        else "Compile: off (auto never compiles: measured, a compilation of half a minute or more repays itself only "
-        "in long GPU runs, never on a CPU; --compile to compile, docs/performance.md says when)"
-    )
-    if split.unreadable:
-        warn_once(f"skipped {len(split.unreadable)} unreadable image(s): {describe(split.unreadable)}")
-    for line in lines:
-        if line is not None:
-            print_once(line)
+from utils import OutputError, write_json
 
 
 class RunLog:
@@ -73,9 +38,8 @@ class RunLog:
             if start_epoch > 0:
                 keep_metrics_before(self.output_dir / METRICS_NAME, start_epoch)
             logged = read_metrics(self.output_dir / METRICS_NAME)
-            print(
-                f'Output: {self.output_dir}  (TensorBoard: tensorboard --logdir "{self.output_dir / "tb"}")', flush=True
-            )
+            print(f'Output: {self.output_dir}  (TensorBoard: tensorboard --logdir "{self.output_dir / "tb"}")',
+                  flush=True)  # fmt: skip
             write_json(self.output_dir / "args.json", self.record)
             self.board = Board(self.output_dir / "tb", self.record, preview_set, start_epoch)
         self.tracking = Tracking(config, plan, self.record, process.device, enabled)

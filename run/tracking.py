@@ -1,8 +1,7 @@
 """Experiment tracking with MLflow: rank 0 logs a run to one tracked run, the same through every stop, restart and
 resume; off unless --tracking-uri or MLFLOW_TRACKING_URI names a tracker (a server: one found reachable). Every call
 to the tracker runs in one background thread, so a failing tracker costs the run one warning and nothing else
-(docs/tracking.md).
-"""
+(docs/tracking.md)."""
 
 import contextlib
 import json
@@ -30,14 +29,9 @@ TRACKED_RUN_NAME = "tracked_run.json"  # in a run's folder: {"tracking_uri": ...
 EXPERIMENT = "flowers"  # the experiment a run is tracked in, unless MLFLOW_EXPERIMENT_NAME names another
 # MLflow's settings in this process, unless the environment sets them: bounded waits, none of MLflow's own log lines,
 # a folder store allowed, no telemetry (docs/tracking.md, "When the tracker fails", says why each).
-MLFLOW_SETTINGS = {
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_LOGGING_LEVEL": "CRITICAL",
-    "MLFLOW_ALLOW_FILE_STORE": "true",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-}
+MLFLOW_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+                   "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_LOGGING_LEVEL": "CRITICAL",
+                   "MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}  # fmt: skip
 # Tries to open a database tracker: MLflow's MAX_RETRY_COUNT (no variable sets it), whose 10 wait 102 s; 3 wait 0.4 s
 DATABASE_TRIES = 3
 # Seconds the end of a run waits for what is queued: after training (the weights' upload too), after a stop or failure
@@ -68,7 +62,7 @@ class Tracking:
             return
         for name, value in MLFLOW_SETTINGS.items():
             os.environ.setdefault(name, value)
-        known = checked_entry(self.tracked_run, "the checkpoint's tracked run") or read_tracked_run(self.output_dir)
+        known = read_tracked_run(self.output_dir, self.tracked_run)
         self.tracked_run = known  # the checkpoints name it from now, whenever the tracker answers
         print(f"Tracking: MLflow at {shown(self.uri)}, experiment {experiment_name()}", flush=True)
         self.thread = threading.Thread(target=self.work, name="mlflow-tracking", daemon=True)
@@ -106,9 +100,8 @@ class Tracking:
         wait = FINISH_WAIT if status == "FINISHED" else STOP_WAIT
         self.thread.join(wait)
         if self.thread.is_alive():
-            self.warn_once(
-                f"the tracker at {shown(self.uri)} took more than {wait:g} s: the run ends without waiting for it"
-            )
+            self.warn_once(f"the tracker at {shown(self.uri)} took more than {wait:g} s: the run ends without "
+                           "waiting for it")  # fmt: skip
         self.thread = None
 
     # What follows runs in the background thread, in the order queued.
@@ -127,10 +120,8 @@ class Tracking:
                 self.failed = True
                 self.opened.set()  # nor will it open the run now: no checkpoint waits for it
                 reason = in_brief(f"{type(error).__name__}: {error}")
-                self.warn_once(
-                    f"MLflow tracking at {shown(self.uri)} failed ({reason}): the run goes on untracked; a resume of "
-                    "the run logs the epochs the tracker missed"
-                )
+                self.warn_once(f"MLflow tracking at {shown(self.uri)} failed ({reason}): the run goes on untracked; "
+                               "a resume of the run logs the epochs the tracker missed")  # fmt: skip
 
     def warn_once(self, message: str) -> None:
         if self.warned.acquire(blocking=False):
@@ -283,24 +274,24 @@ def git_commit() -> str | None:
     return answer.stdout.strip() if answer.returncode == 0 and answer.stdout.strip() else None
 
 
-def checked_entry(entry, source: str) -> dict | None:
-    """A tracked run's entry from `source`, or None (with a warning when it is damaged)."""
-    if entry is not None and (damage := misfits(entry, {"run_id": str})):
-        warn(f"{source} is damaged ({'; '.join(damage)}): tracking as a new run")
-        return None
-    return entry
-
-
-def read_tracked_run(folder: Path) -> dict | None:
-    """The tracked run that the run in `folder` names (TRACKED_RUN_NAME), if any."""
+def read_tracked_run(folder: Path, saved: dict | None = None) -> dict | None:
+    """The tracked run that the resumed checkpoint names (`saved`), else the one the run in `folder` names
+    (TRACKED_RUN_NAME), if any; a damaged record names none, with a warning."""
     path = folder / TRACKED_RUN_NAME
-    if not path.exists():
-        return None
+    records = {
+        "the checkpoint's tracked run": lambda: saved,
+        f"tracked run file {path}": lambda: read_json(path, "tracked run file") if path.exists() else None,
+    }
     try:
-        return checked_entry(read_json(path, "tracked run file"), f"tracked run file {path}")
+        for source, read in records.items():
+            if (entry := read()) is None:
+                continue
+            if not (damage := misfits(entry, {"run_id": str})):
+                return entry
+            warn(f"{source} is damaged ({'; '.join(damage)}): tracking as a new run")
     except UserError as error:
         warn(f"{error}: tracking as a new run")
-        return None
+    return None
 
 
 def shown(uri: str) -> str:

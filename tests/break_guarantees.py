@@ -171,7 +171,7 @@ BREAKS = [
     ("13h a resume's micro-batch change unsaid", "run/plan.py",
      '(saved.get("micro_batch") or saved_batch, saved_world)', "(saved_batch, saved_world)",
      "tests/test_resume_matrix.py::test_a_resume_says_when_another_forward_pass_makes_it_inexact"),
-    ("13i the run says nothing of a resume", "run/run_log.py",
+    ("13i the run says nothing of a resume", "run/plan.py",
      ", inexact_resume_note(config, plan.saved, process.world_size, choice)]", "]",
      "tests/test_resume_matrix.py::test_a_resume_with_another_micro_batch_says_so_as_it_decides_how_to_compute"),
     ("13j loader workers waited for at exit", "my_dataset.py",

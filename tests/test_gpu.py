@@ -652,7 +652,7 @@ def test_batches_made_on_the_gpu_are_the_cpus_to_rounding_and_take_the_same_memo
     epoch: the same labels, images within a level of 255 of each other, in channels_last; and after the first
     epoch, the GPU's allocated memory is the same at every epoch's end (nothing kept from step to step)."""
     split, config = read_split_data(tiny_data), Config(img_size=32, batch_size=8)
-    train_set, _, _ = datasets(planned(split, config), config)
+    train_set, _ = datasets(planned(split, config), config)
     made = {
         device: TrainingBatches(train_set, shuffled_batches(train_set, 8, 0), device, torch.channels_last)
         for device in ("cuda", "cpu")
@@ -676,7 +676,7 @@ def test_batches_streamed_to_the_gpu_are_the_held_ones_bitwise_epoch_after_epoch
     waited for by the step's stream) as from the images held on the GPU: bitwise (the host's waits:
     tests/test_host_syncs.py, on this GPU too)."""
     split, config = read_split_data(tiny_data), Config(img_size=32, batch_size=8)
-    train_set, _, _ = datasets(planned(split, config), config)
+    train_set, _ = datasets(planned(split, config), config)
     made = [TrainingBatches(train_set, shuffled_batches(train_set, 8, 0), "cuda", torch.channels_last, streamed)
             for streamed in (False, True)]  # fmt: skip
     for epoch in range(2):

@@ -26,8 +26,7 @@ from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.train_eval_utils import Choice
 from run.config import Config
-from run.plan import inexact_resume_note, per_process_recipe
-from run.run_log import announce
+from run.plan import announce, inexact_resume_note, per_process_recipe
 
 # Epoch 0 stopped at its 3rd step of 6, or a crash at the start of epoch 1; 2 epochs in all.
 STOP, CRASH = ("stop", 0, 2), ("crash", 1)
@@ -160,14 +159,16 @@ def test_a_resume_says_when_another_forward_pass_makes_it_inexact(network, sync_
 @pytest.mark.fast
 def test_a_resume_with_another_micro_batch_says_so_as_it_decides_how_to_compute(capsys, monkeypatch):
     # choose (autotune/choose.py) decides the micro-batch, given or measured; then the run says what it changes, as
-    # it announces itself (run/run_log.py)
+    # it announces itself (run/plan.py)
     monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # this test process's threads stay
     config = Config(model="resnet18", batch_size=8, lr=0.1, amp="off", channels_last=False, workers=0, micro_batch=4)
     config = replace(config, batches="loader")  # nothing measured: no images to make batches of
     saved = {"batch_size": 8, "micro_batch": None, "world_size": 1, "recipe_world_size": 1}
     split = DataSplit(["a.jpg"] * 8, [0] * 8, ["b.jpg"] * 2, [0, 1], ["a", "b"])
-    plan = types.SimpleNamespace(saved=saved, split=split, uncompiled=False)
+    plan = types.SimpleNamespace(
+        saved=saved, split=split, recipe_lines=(), images_line="Images: decoded from their files every epoch"
+    )
     choice = choose(config, plan, torch.device("cpu"), 1, train_set=None)
     assert choice.micro_batch == 4
-    announce(config, plan, single_process("cpu"), choice, "Images: decoded from their files every epoch")
+    announce(config, plan, single_process("cpu"), choice)
     assert "note: resnet18's BatchNorm2d layers compute per forward pass, which now takes 4" in capsys.readouterr().out
