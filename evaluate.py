@@ -9,12 +9,10 @@ python evaluate.py --weights best.pth --world-size 2                           #
 Flags left out default to the run's own (args.json), so the split is the one it validated on (docs/trained-models.md).
 """
 
-from dataclasses import dataclass
+from collections import namedtuple
 from pathlib import Path
 
-import numpy as np
 import torch
-from matplotlib.figure import Figure
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dataset.folders import read_split_data
@@ -25,7 +23,7 @@ from inference.trained import add_model_arguments, image_loader, load_trained_mo
 from multi_train_utils.bookkeeping import Tally
 from multi_train_utils.distributed_utils import cleanup, is_main_process, on_main_process, val_shard
 from multi_train_utils.spawn_utils import choose_meeting_point, report_failures, run_workers
-from plot_results import save_png
+from plot_results import plot_confusion_matrix
 from utils import (
     HelpFormatter,
     OutputError,
@@ -35,7 +33,6 @@ from utils import (
     describe,
     entry_point,
     number,
-    printable,
     warn,
     write_json,
 )
@@ -55,24 +52,6 @@ def per_class_scores(confusion: torch.Tensor) -> dict[str, list]:
     }
 
 
-def plot_confusion_matrix(confusion: torch.Tensor, classes: list[str], title: str, path: Path) -> None:
-    """A PNG of the confusion matrix: counts in the cells, class names on both axes."""
-    counts = confusion.numpy()
-    side = max(5.0, 0.8 * len(classes) + 2.5)  # inches; room for names and counts with many classes
-    figure = Figure(figsize=(side + 1, side), dpi=100, layout="constrained")
-    axes = figure.subplots()
-    image = axes.imshow(counts, cmap="Blues")
-    figure.colorbar(image, ax=axes, label="images")
-    classes = [printable(name) for name in classes]
-    axes.set_xticks(range(len(classes)), classes, rotation=45, ha="right", rotation_mode="anchor")
-    axes.set_yticks(range(len(classes)), classes)
-    axes.set(xlabel="predicted class", ylabel="true class", title=printable(title))
-    for (row, column), count in np.ndenumerate(counts):
-        dark = count > counts.max() / 2  # white text on the dark cells
-        axes.text(column, row, str(count), ha="center", va="center", color="white" if dark else "black")
-    save_png(figure, path)
-
-
 def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     add_model_arguments(p)
@@ -90,16 +69,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-@dataclass
-class Evaluation:
-    """What evaluate.py scores and where it writes."""
-
-    images: list
-    labels: list
-    split: dict
-    announcement: str
-    unreadable: list
-    output_dir: Path
+# What evaluate.py scores (images, labels; split: eval.json's "split") and where it writes (output_dir)
+Evaluation = namedtuple("Evaluation", ["images", "labels", "split", "announcement", "unreadable", "output_dir"])
 
 
 def plan(args, trained) -> Evaluation:
@@ -139,7 +110,7 @@ def main(argv=None):
     args = parse_args(argv)
     check_results_file(args.results, args.force)
     if args.world_size is None:  # one process, or one of torchrun's
-        return evaluate_here(None, args)
+        return evaluate_weights(None, args)
     world_size = spawned_world_size(args.world_size, args.device)
     plan(args, load_trained_model(args.weights, args.class_indices, torch.device("cpu"), args.model))  # spawn: once
     print(f"Starting {world_size} processes; they meet at {choose_meeting_point()}")
@@ -149,40 +120,37 @@ def main(argv=None):
 @entry_point
 @report_failures
 def worker(rank: int, args) -> None:
-    evaluate_here(rank, args)
+    evaluate_weights(rank, args)
 
 
-def evaluate_here(rank: int | None, args) -> None:
+def evaluate_weights(rank: int | None, args) -> None:
     # DDP: join the process group: spawn passes the rank, torchrun sets it in the environment (alone: no group)
     process = join_group(args.device, rank, args.world_size)
     try:
-        evaluate_weights(args, process)
+        trained = load_trained_model(args.weights, args.class_indices, process.device, args.model)
+        evaluation = plan(args, trained)
+        images, labels, classes = evaluation.images, evaluation.labels, trained.classes
+        if is_main_process():
+            if evaluation.unreadable:
+                warn(f"skipped {len(evaluation.unreadable)} unreadable image(s): {describe(evaluation.unreadable)}")
+            print(evaluation.announcement, flush=True)
+        # DDP: this process scores images rank, rank + world size, ...: every image once, none padded
+        shard = val_shard(images, process.rank, process.world_size)
+        given = {"img_size": args.img_size, "batch_size": args.batch_size, "workers": args.workers}  # None: the run's
+        loader = image_loader(trained, images, labels, shard, process.local_world_size, **given)
+        tally = Tally(len(classes), process.device, TOPK if len(classes) > TOPK else None)
+        shown = min(args.topk, len(classes))
+        batches = scored_batches(trained, loader, len(images), process.world_size, args.tta, tally, "evaluate")
+        # DDP: rank 0 gathers every batch, in the order of the images, and alone writes them
+        with torch.inference_mode():
+            with results_file(args.results, shown, enabled=is_main_process()) as results:
+                for batch in batches:
+                    results.write(rows_of(batch, images, labels, classes, shown))
+            scored = tally.over_all_ranks(loader)  # DDP: every process's counts, summed
+        # DDP: rank 0 prints and writes the report; the others wait for it, and stop with it if it cannot
+        on_main_process(report, args, trained, evaluation, scored)
     finally:
         cleanup()  # DDP: leave the process group
-
-
-def evaluate_weights(args, process) -> None:
-    trained = load_trained_model(args.weights, args.class_indices, process.device, args.model)
-    evaluation = plan(args, trained)
-    images, labels, classes = evaluation.images, evaluation.labels, trained.classes
-    if is_main_process():
-        if evaluation.unreadable:
-            warn(f"skipped {len(evaluation.unreadable)} unreadable image(s): {describe(evaluation.unreadable)}")
-        print(evaluation.announcement, flush=True)
-    # DDP: this process scores images rank, rank + world size, ...: every image once, none padded
-    shard = val_shard(images, process.rank, process.world_size)
-    given = {"img_size": args.img_size, "batch_size": args.batch_size, "workers": args.workers}  # None: the run's
-    loader = image_loader(trained, images, labels, shard, process.local_world_size, **given)
-    tally = Tally(len(classes), process.device, TOPK if len(classes) > TOPK else None)
-    shown = min(args.topk, len(classes))
-    # DDP: rank 0 gathers every batch, in the order of the images, and alone writes them
-    with torch.inference_mode():
-        with results_file(args.results, shown, enabled=is_main_process()) as results:
-            for batch in scored_batches(trained, loader, len(images), process.world_size, args.tta, tally, "evaluate"):
-                results.write(rows_of(batch, images, labels, classes, shown))
-        scored = tally.over_all_ranks(loader)  # DDP: every process's counts, summed
-    # DDP: rank 0 prints and writes the report; the others wait for it, and stop with it if it cannot
-    on_main_process(report, args, trained, evaluation, scored)
 
 
 def report(args, trained, evaluation: Evaluation, scored) -> None:
@@ -196,8 +164,7 @@ def report(args, trained, evaluation: Evaluation, scored) -> None:
         print(f"top-5 accuracy {in_top5 / total:.3f} ({in_top5}/{total})")
     width = max(len("class"), *map(len, classes))
     print(f"\n{'class':<{width}}  precision  recall     f1  support")
-    columns = (scores["precision"], scores["recall"], scores["f1"], scores["support"])
-    for name, precision, recall, f1, support in zip(classes, *columns, strict=True):
+    for name, precision, recall, f1, support in zip(classes, *scores.values(), strict=True):  # per_class_scores' order
         print(f"{name:<{width}}  {precision:9.3f}  {recall:6.3f}  {f1:5.3f}  {support:7d}")
     output_dir = evaluation.output_dir
     report_json = {

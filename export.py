@@ -84,8 +84,7 @@ def describe_input(prep: dict, classes: list[str]) -> str:
 
 
 def export_onnx(model, example: torch.Tensor, metadata: dict, doc: str) -> bytes:
-    """The network as ONNX bytes, with a dynamic batch dimension and `metadata` in its metadata_props; by the
-    torch.export-based exporter (the default since torch 2.9: the older one warns that it will be removed)."""
+    """The network as ONNX bytes by the torch.export-based exporter: batch dimension dynamic, `metadata` as props."""
     program = torch.onnx.export(model, (example,), dynamo=True, input_names=["images"], output_names=["logits"],
                                 dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)  # fmt: skip
     proto = program.model_proto
@@ -180,8 +179,7 @@ def main(argv=None):
     # float32 and NCHW whatever the run's --amp and --channels-last: no autocast here, and contiguous weights
     model = trained.model.float().to(memory_format=torch.contiguous_format)
     prep = preprocessing(img_size)
-    indices = {str(i): name for i, name in enumerate(trained.classes)}
-    metadata = {"class_indices": json.dumps(indices), "preprocessing": json.dumps(prep)}
+    metadata = {"class_indices": json.dumps(dict(enumerate(trained.classes))), "preprocessing": json.dumps(prep)}
     print(f"Exporting {args.weights} ({len(trained.classes)} classes) as {args.format}: float32, "
           f"input [batch, 3, {img_size}, {img_size}]")  # fmt: skip
     example = torch.zeros(2, 3, img_size, img_size, device=trained.device)  # torch.export specialises batch 1
@@ -197,9 +195,8 @@ def main(argv=None):
             expected = model.cpu()(batch)
         got = run(batch)
         if got.shape != expected.shape:
-            raise ExportCheckError(
-                f"the exported file gives logits of shape {list(got.shape)}, not {list(expected.shape)}"
-            )
+            raise ExportCheckError(f"the exported file gives logits of shape {list(got.shape)}, "
+                                   f"not {list(expected.shape)}")  # fmt: skip
         difference = (got.float() - expected).abs().max().item()
         print(f"Checked with {runtime} on {source}: max abs difference from PyTorch float32 logits "
               f"{difference:.1e} (limit {TOLERANCE:.0e})")  # fmt: skip

@@ -1,7 +1,6 @@
-"""What this machine offers a run, as torch will use it: the processor's name, cores, instruction set, bfloat16
-arithmetic and memory. Every decision here reads the caps on torch's CPU kernels (AVX2_CAPS).
-"""
+"""What this machine offers a run as torch will use it (AVX2_CAPS heeded): processor, cores, ISA, bfloat16, memory."""
 
+import contextlib
 import math
 import os
 import platform
@@ -20,6 +19,13 @@ ONEDNN_ISA_LEVELS = (
     "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX", "AVX10_1_512_AMX_FP16",
     "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2",
 )  # fmt: skip
+
+# On the CPU, loading an image (decode, crop, flip) costs a few percent of training on it (docs/performance.md,
+# Where the time goes): one loader process keeps up with 8 cores.
+CORES_PER_CPU_LOADER = 8
+MAX_GPU_LOADERS = 8
+
+ON_WINDOWS = os.name == "nt"
 
 
 def torch_cpu_isa() -> str:
@@ -58,13 +64,13 @@ def cpu_quota(root: Path = Path("/")) -> tuple[float, str] | None:
     from v2's cpu.max ("150000 100000": 1.5) or v1's cpu.cfs_quota_us / cpu.cfs_period_us; None where none is set."""
     quotas = []
     for version, mount, cgroup in cgroups(root, "cpu"):
-        for folder in folders_above(mount, cgroup):
+        parts = [part for part in cgroup.split("/") if part]
+        for folder in (mount.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)):  # the cgroup's, up
+            source = folder / ("cpu.max" if version == 2 else "cpu.cfs_quota_us")
             if version == 2:
-                quota, _, period = read_or_empty(folder / "cpu.max").partition(" ")
-                source = folder / "cpu.max"
+                quota, _, period = read_or_empty(source).partition(" ")
             else:
-                quota, period = (read_or_empty(folder / name) for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
-                source = folder / "cpu.cfs_quota_us"
+                quota, period = read_or_empty(source), read_or_empty(folder / "cpu.cfs_period_us")
             if quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0:
                 quotas.append((int(quota) / int(period), f"the cgroup's CPU quota in {source}"))
     return min(quotas, default=None)
@@ -89,17 +95,10 @@ def cgroups(root: Path, controller: str) -> list[tuple[int, Path, str]]:
     return found
 
 
-def folders_above(mount: Path, cgroup: str) -> list[Path]:
-    """The folder of `cgroup` under `mount`, and of every cgroup above it, up to the mount's."""
-    parts = [part for part in cgroup.split("/") if part]
-    return [mount.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
-
-
 def read_or_empty(path: Path) -> str:
-    try:
+    with contextlib.suppress(OSError):
         return path.read_text().strip()
-    except OSError:
-        return ""
+    return ""
 
 
 def physical_memory() -> int | None:
@@ -120,9 +119,6 @@ def physical_memory() -> int | None:
     return None
 
 
-ON_WINDOWS = os.name == "nt"
-
-
 def cache_folder() -> Path:
     """This project's folder in the user's cache (Windows: %LOCALAPPDATA%; elsewhere $XDG_CACHE_HOME or ~/.cache)."""
     variable, default = ("LOCALAPPDATA", Path("AppData", "Local")) if ON_WINDOWS else ("XDG_CACHE_HOME", Path(".cache"))
@@ -131,33 +127,22 @@ def cache_folder() -> Path:
 
 def cpu_name() -> str:
     """E.g. "AMD EPYC": from /proc/cpuinfo, sysctl on macOS (platform.processor() says "arm"), else the platform."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
+    names = []
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     if not names and platform.system() == "Darwin":
-        try:
+        with contextlib.suppress(OSError):
             answer = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
             names = [answer.stdout.strip()] if answer.returncode == 0 and answer.stdout.strip() else []
-        except OSError:
-            pass
     return names[0] if names else platform.processor() or platform.machine()
 
 
 def describe_cpu() -> str:
     """E.g. "AMD EPYC, 2 cores, torch kernels AVX2, no bfloat16 (...)": what a measured figure was measured on."""
-    native, why = cpu_bfloat16()
-    cap = onednn_isa_cap()
+    (native, why), cap = cpu_bfloat16(), onednn_isa_cap()
     capped = f", oneDNN capped at {cap}" if cap else ""
     bf16 = ", native bfloat16" if native else f", no native bfloat16: {why}"
     return f"{cpu_name()}, {available_cores()} cores, torch kernels {torch_cpu_isa()}{capped}{bf16}"
-
-
-# On the CPU, loading an image (decode, crop, flip) costs a few percent of training on it (docs/performance.md,
-# Where the time goes): one loader process keeps up with 8 cores.
-CORES_PER_CPU_LOADER = 8
-MAX_GPU_LOADERS = 8
 
 
 def cores_per_process(processes_here: int = 1) -> int:

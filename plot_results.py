@@ -76,8 +76,8 @@ def run_label(folder: Path, epochs: list[dict]) -> str:
     return f"{printable(folder.resolve().name)} ({processes} process{'es' if processes != 1 else ''})"
 
 
-def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
-    """The PANELS against the epoch, one line per (label, epochs) run; written to `path` when given."""
+def plot_curves(runs: list[tuple[str, list[dict]]]) -> Figure:
+    """The PANELS against the epoch, one line per (label, epochs) run."""
     fig = Figure(figsize=(12, 4.2), dpi=120, layout="constrained")
     axes = fig.subplots(1, len(PANELS))
     for label, epochs in runs:
@@ -89,16 +89,12 @@ def plot_curves(runs: list[tuple[str, list[dict]]], path=None) -> Figure:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[1].set_ylim(0, 1)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(runs), 2), frameon=False)
-    if path is not None:
-        save_png(fig, path)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=min(len(runs), 2), frameon=False)
     return fig
 
 
 def plot_benchmark(benchmark: dict, path=None) -> Figure:
-    """Images per second, a bar per row, titled with where and how it was measured; written to `path` when given.
-    The loader, demo and predict.py rows, not comparable with training at the benchmark's size, get their own panel."""
+    """Images per second, a bar per row, the rows not comparable with training apart; saved to `path` if given."""
     rows, settings = benchmark["rows"], benchmark.get("settings", {})
     colours = {kind: f"C{i}" for i, kind in enumerate(dict.fromkeys(row.get("kind") for row in rows))}
     apart = [row for row in rows if row.get("kind") in ("loader", "demo", "predict")]
@@ -159,6 +155,23 @@ def plot_predictions(images, true_labels: list[int], predicted: list[int], class
     return fig
 
 
+def plot_confusion_matrix(confusion, classes: list[str], title: str, path: Path) -> None:
+    """A PNG of a confusion matrix (a tensor, rows: true class): counts in the cells, class names on both axes."""
+    counts = confusion.numpy()
+    side = max(5.0, 0.8 * len(classes) + 2.5)  # inches; room for names and counts with many classes
+    figure = Figure(figsize=(side + 1, side), dpi=100, layout="constrained")
+    axes = figure.subplots()
+    figure.colorbar(axes.imshow(counts, cmap="Blues"), ax=axes, label="images")
+    classes = [printable(name) for name in classes]
+    axes.set_xticks(range(len(classes)), classes, rotation=45, ha="right", rotation_mode="anchor")
+    axes.set_yticks(range(len(classes)), classes)
+    axes.set(xlabel="predicted class", ylabel="true class", title=printable(title))
+    for (row, column), count in np.ndenumerate(counts):
+        dark = count > counts.max() / 2  # white text on the dark cells
+        axes.text(column, row, str(count), ha="center", va="center", color="white" if dark else "black")
+    save_png(figure, path)
+
+
 def save_png(fig: Figure, path) -> None:
     try:
         write_atomically(path, lambda f: fig.savefig(f, format="png"), binary=True)
@@ -200,16 +213,17 @@ def main(argv=None) -> Figure:
             raise UserError("give one benchmark.json on its own (run folders and --labels draw training curves)")
         benchmark = read_benchmark(sources[0])
         path = output_path(args.output, "benchmark", sources)
-        fig = plot_benchmark(benchmark, path)
+        fig = plot_benchmark(benchmark)
     elif kinds == {"run"}:
         if args.labels is not None and len(args.labels) != len(sources):
             raise UserError(f"--labels gives {len(args.labels)} name(s) for {len(sources)} run folder(s)")
         runs = [read_metrics(folder / METRICS_NAME) for folder in sources]
         labels = args.labels or [run_label(folder, epochs) for folder, epochs in zip(sources, runs, strict=True)]
         path = output_path(args.output, "run", sources)
-        fig = plot_curves(list(zip(labels, runs, strict=True)), path)
+        fig = plot_curves(list(zip(labels, runs, strict=True)))
     else:
         raise UserError("give run folders or one benchmark.json, not both")
+    save_png(fig, path)
     print(f"Wrote {path}")
     return fig
 

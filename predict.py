@@ -57,7 +57,7 @@ def main(argv=None):
     images = find_images(args.images)
     check_results_file(args.results, args.force)
     if args.world_size is None:  # one process, or one of torchrun's
-        return predict_here(None, args, images)
+        return predict(None, args, images)
     world_size = spawned_world_size(args.world_size, args.device)
     load_trained_model(args.weights, args.class_indices, torch.device("cpu"), args.model)  # spawn: checked once
     print(f"Starting {world_size} processes; they meet at {choose_meeting_point()}", file=sys.stderr)
@@ -67,42 +67,38 @@ def main(argv=None):
 @entry_point
 @report_failures
 def worker(rank: int, args, images: list[Path]) -> None:
-    predict_here(rank, args, images)
+    predict(rank, args, images)
 
 
-def predict_here(rank: int | None, args, images: list[Path]) -> None:
+def predict(rank: int | None, args, images: list[Path]) -> None:
     # DDP: join the process group: spawn passes the rank, torchrun sets it in the environment (alone: no group)
     process = join_group(args.device, rank, args.world_size)
     try:
-        predict(args, images, process)
+        trained = load_trained_model(args.weights, args.class_indices, process.device, args.model)
+        topk, labels = min(args.topk, len(trained.classes)), [UNKNOWN] * len(images)
+        # DDP: this process scores images rank, rank + world size, ...: every image once, none padded
+        shard = val_shard(images, process.rank, process.world_size)
+        given = {"img_size": args.img_size, "batch_size": args.batch_size, "workers": args.workers}  # None: the run's
+        loader = image_loader(trained, images, labels, shard, process.local_world_size, **given)
+        start, unreadable = time.perf_counter(), 0
+        progress = "predict" if args.results else None  # without --results, the lines show the progress
+        # DDP: rank 0 gathers every batch, in the order of the images, and alone prints and writes them
+        with torch.inference_mode(), results_file(args.results, topk, enabled=is_main_process()) as results:
+            for batch in scored_batches(trained, loader, len(images), process.world_size, args.tta, progress=progress):
+                rows = rows_of(batch, images, labels, trained.classes, topk)
+                results.write(rows)
+                unreadable += sum(row.unreadable is not None for row in rows)
+                if args.results is None:
+                    print("\n".join(row.line() for row in rows), flush=True)
+        if args.results is not None and is_main_process():  # tools/benchmark.py reads the speed
+            seconds, n = time.perf_counter() - start, process.world_size
+            print(f"Wrote {args.results}: {results.rows} rows, scored in {seconds:.1f} s "
+                  f"({len(images) / seconds:.1f} images/s, {n} process{'es' * (n > 1)})")  # fmt: skip
+        if unreadable:
+            where = "rows" if args.results else "lines"
+            print(f"warning: {unreadable} image(s) could not be read; their {where} say why", file=sys.stderr)
     finally:
         cleanup()  # DDP: leave the process group
-
-
-def predict(args, images: list[Path], process) -> None:
-    trained = load_trained_model(args.weights, args.class_indices, process.device, args.model)
-    topk, labels = min(args.topk, len(trained.classes)), [UNKNOWN] * len(images)
-    # DDP: this process scores images rank, rank + world size, ...: every image once, none padded
-    shard = val_shard(images, process.rank, process.world_size)
-    given = {"img_size": args.img_size, "batch_size": args.batch_size, "workers": args.workers}  # None: the run's
-    loader = image_loader(trained, images, labels, shard, process.local_world_size, **given)
-    start, unreadable = time.perf_counter(), 0
-    progress = "predict" if args.results else None  # without --results, the lines show the progress
-    # DDP: rank 0 gathers every batch, in the order of the images, and alone prints and writes them
-    with torch.inference_mode(), results_file(args.results, topk, enabled=is_main_process()) as results:
-        for batch in scored_batches(trained, loader, len(images), process.world_size, args.tta, progress=progress):
-            rows = rows_of(batch, images, labels, trained.classes, topk)
-            results.write(rows)
-            unreadable += sum(row.unreadable is not None for row in rows)
-            if args.results is None:
-                print("\n".join(row.line() for row in rows), flush=True)
-    if args.results is not None and is_main_process():  # tools/benchmark.py reads the speed
-        seconds, n = time.perf_counter() - start, process.world_size
-        print(f"Wrote {args.results}: {results.rows} rows, scored in {seconds:.1f} s "
-              f"({len(images) / seconds:.1f} images/s, {n} process{'es' * (n > 1)})")  # fmt: skip
-    if unreadable:
-        where = "rows" if args.results else "lines"
-        print(f"warning: {unreadable} image(s) could not be read; their {where} say why", file=sys.stderr)
 
 
 if __name__ == "__main__":

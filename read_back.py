@@ -1,5 +1,4 @@
-"""Reading back what a run or a user saved: every file checked, a damaged or foreign one refused in one line that
-names it and what is wrong, never a traceback (docs/resuming-and-failures.md)."""
+"""Reading back what a run or a user saved: a damaged or foreign file refused in one line naming it, no traceback."""
 
 import contextlib
 import json
@@ -71,8 +70,7 @@ ZIP_MAGIC, PICKLE_MAGIC, TAR_MAGIC_END = b"PK\x03\x04", b"\x80", 262
 
 
 def damaged_record(path: Path) -> str | None:
-    """Which record of the zip archive `path` fails its CRC-32, and how; None when every record passes, or when the
-    archive's directory cannot be read (a file cut short: torch.load then says so)."""
+    """Which record of the zip `path` fails its CRC-32, and how; None if all pass or its directory cannot be read."""
     try:
         archive = zipfile.ZipFile(path)
     except OSError:

@@ -1,5 +1,4 @@
-"""Small helpers every script uses: the user-error type and entry point, argparse types that report in one line,
-atomic file writes and the checks of an output path."""
+"""Small helpers every script uses: user errors, the entry point, argparse types, atomic writes, output path checks."""
 
 import argparse
 import atexit
@@ -16,18 +15,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The signals that ask a run to stop: SIGTERM (SLURM, Kubernetes, torchrun before they kill) and SIGUSR1 (SLURM's
-# --signal, ahead of the time limit)
+# What asks a run to stop: SIGTERM (SLURM, Kubernetes, torchrun, before a kill), SIGUSR1 (SLURM's --signal)
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+# Written with this error handler, a name's bytes that are not UTF-8 (lone surrogates in its str) are the same again
+NAMES = "surrogateescape"
+
+# The files a training run writes in its folder, caches and lock aside: no other command may replace them
+RUN_FILES = ("args.json", "class_indices.json", "metrics.jsonl", "checkpoint.pth", "weights/*.pth", "tb/*",
+             "tracked_run.json")  # fmt: skip
 
 
 class UserError(Exception):
     """A problem with the user's input: shown as one line on stderr, exit status 2, never a traceback."""
-
-
-# A file name's bytes that are not UTF-8 are lone surrogates in its str (os.fsdecode); written with this error
-# handler they are the same bytes again. The output and the text files that hold names are written so.
-NAMES = "surrogateescape"
 
 
 def printable(name: str) -> str:
@@ -110,8 +110,7 @@ def describe(paths: list[str], shown: int = 5) -> str:
 
 
 class OutputError(UserError):
-    """An output could not be written (no space, a quota, a permission, a vanished folder): the file it was to
-    replace, and everything written before, are left as they were."""
+    """An output could not be written: the file it was to replace, and everything written before, are as they were."""
 
 
 @contextlib.contextmanager
@@ -129,20 +128,24 @@ def writing(place, size: int | None = None):
             reason = reason.__cause__ or reason.__context__
         if reason is None:
             raise
-        raise OutputError(write_failure(Path(place), reason, size)) from None
+        path = Path(place)
+        message = f"cannot write {path}: {reason.strerror or reason}"
+        if reason.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            existing = next((folder for folder in (path, *path.parents) if folder.exists()), Path("/"))
+            needed = f", about {size / 2**20:.0f} MiB needed" if size else ""
+            message += f" ({shutil.disk_usage(existing).free / 2**20:.0f} MiB free on its filesystem{needed})"
+        raise OutputError(message) from None
 
 
 def write_atomically(path, write, binary: bool = False, size: int | None = None) -> None:
-    """Create or replace `path` with what write(file) writes, so that readers and crashes see either the old
-    file or the whole new one; a refusal of the filesystem is an OutputError naming the file (writing)."""
+    """Replace `path` atomically with what write(file) writes; OutputError naming the file if the filesystem refuses."""
     with atomic_file(path, binary, size) as f:
         write(f)
 
 
 @contextlib.contextmanager
 def atomic_file(path, binary: bool = False, size: int | None = None):
-    """write_atomically for a file written bit by bit: yields the temporary file, which replaces `path` when the
-    block ends, and is removed, `path` untouched, if it ends by an exception."""
+    """write_atomically, bit by bit: yields the temporary file, which replaces `path` if no exception ends the block."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -169,24 +172,8 @@ def sync_folder(folder) -> None:
             os.close(descriptor)
 
 
-def write_failure(path: Path, error: OSError, size: int | None = None) -> str:
-    """One line: which file could not be written and why, with the space free and needed when it ran out."""
-    message = f"cannot write {path}: {error.strerror or error}"
-    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        existing = next((folder for folder in (path, *path.parents) if folder.exists()), Path("/"))
-        free = shutil.disk_usage(existing).free
-        needed = f", about {size / 2**20:.0f} MiB needed" if size else ""
-        message += f" ({free / 2**20:.0f} MiB free on its filesystem{needed})"
-    return message
-
-
 def write_json(path, data) -> None:
     write_atomically(path, lambda f: f.write(json.dumps(data, indent=2) + "\n"))
-
-
-# The files a training run writes in its folder, caches and lock aside: no other command may replace them
-RUN_FILES = ("args.json", "class_indices.json", "metrics.jsonl", "checkpoint.pth", "weights/*.pth", "tb/*",
-             "tracked_run.json")  # fmt: skip
 
 
 def run_files_in(folder: Path) -> list[str]:

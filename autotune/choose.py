@@ -41,9 +41,8 @@ def choose(config, plan, device: torch.device, processes_here: int, train_set) -
     else:
         if device.type == "cpu":  # measured on the threads it trains with: its whole share, less --workers' reserve
             torch.set_num_threads(beside_workers if config.workers is not None else share)
-        mine = is_main_process() and remembered_or_measured(
-            config, plan, device, processes_here, train_set, held, where, candidates
-        )
+        mine = is_main_process() and remembered_or_measured(config, plan, device, processes_here, train_set, held,
+                                                            where, candidates)  # fmt: skip
         choice = broadcast_object(mine)  # DDP: every rank trains as rank 0 chose
         if choice.on_device:  # held or streamed: as the images fit the device today, whatever was remembered
             choice = replace(choice, batches=where)
@@ -141,10 +140,9 @@ def choose_batches(device, step: float, on_device: float, load: float, workers: 
 
 
 def device_batches_room(config, train_set, device: torch.device) -> tuple[str | None, int, str]:
-    """(where batches can be made on `device`: "device" from the training images held there, "stream" from the
-    store a few batches ahead, None: not there; the bytes held there; the line saying why). They need a plain crop
-    and flip and the images in the store; held where they fit --device-images-gb (on a GPU, by default, half its
-    free memory; on the CPU the mapped store is held already)."""
+    """(where batches can be made on `device`: "device" from the training images held there, "stream" from the store
+    a few batches ahead, None: not there; the bytes held there; the line saying why). Held where they fit
+    --device-images-gb (by default half a GPU's free memory; on the CPU the mapped store is held already)."""
     if config.batches == "loader":
         return None, 0, "Batches: made by the loader (--batches loader)"
     if device.type not in ("cuda", "cpu"):
@@ -169,11 +167,8 @@ def device_batches_room(config, train_set, device: torch.device) -> tuple[str | 
     sizes = f"the {len(train_set)} training images take {needed / 1e9:.2f} GB"
     if needed > room:
         return "stream", 0, f"streamed from the store a few batches ahead of the step: {sizes}, more than {where}"
-    return (
-        "device",
-        held if device.type == "cuda" else 0,
-        f"from the training images held there: {sizes}, within {where}",
-    )
+    return ("device", held if device.type == "cuda" else 0,
+            f"from the training images held there: {sizes}, within {where}")  # fmt: skip
 
 
 def amp_candidates(amp: str, device: torch.device) -> tuple[list[str], str]:

@@ -26,9 +26,7 @@ RUN_KEY = ("model", "img_size", "batch_size", "freeze_layers", "opt", "grad_chec
 
 def cache_file() -> Path:
     """$FLOWERS_AUTOTUNE_CACHE if set; else in the user's cache folder."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return cache_folder() / "autotune.json"
+    return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else cache_folder() / "autotune.json"
 
 
 def cache_key(config, plan, device: torch.device, processes_here: int) -> dict:

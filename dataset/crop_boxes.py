@@ -1,5 +1,4 @@
-"""The crop boxes and flips RandomResizedCrop and RandomHorizontalFlip draw after manual_seed(each image's seed), a
-whole epoch's at once (docs/performance.md, Batches made on the device)."""
+"""The boxes and flips the training transforms draw from each image's seed, an epoch's at once (docs/performance.md)."""
 
 import numpy as np
 import torch
@@ -41,7 +40,7 @@ def draw(crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, seeds, heigh
     seeds = np.asarray(seeds, dtype=np.uint64)
     heights, widths = np.asarray(heights, dtype=np.int64), np.asarray(widths, dtype=np.int64)
     words = mt19937_words(seeds)
-    n, tries = len(seeds), 10
+    tries = 10
     area = (heights * widths).astype(np.float64)
     log_low, log_high = (float(value) for value in torch.log(torch.tensor(crop.ratio)))
     target = area[:, None] * uniform(words[:, 0 : 2 * tries : 2], *crop.scale)
@@ -51,19 +50,19 @@ def draw(crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, seeds, heigh
     fits = (box_w > 0) & (box_w <= widths[:, None]) & (box_h > 0) & (box_h <= heights[:, None])
     found = fits.any(axis=1)
     first = np.where(found, fits.argmax(axis=1), tries)  # the try that fits (tries: none did)
-    rows = np.arange(n)
-    at = np.minimum(first, tries - 1)
+    rows, at = np.arange(len(seeds)), np.minimum(first, tries - 1)
     box_w, box_h = np.where(found, box_w[rows, at], 0), np.where(found, box_h[rows, at], 0)
     used = np.where(found, 2 * first + 2, 2 * tries)  # words taken by the tries (and then the top and left)
     top = words[rows, np.minimum(used, WORDS - 1)].astype(np.int64) % np.maximum(heights - box_h + 1, 1)
     left = words[rows, np.minimum(used + 1, WORDS - 1)].astype(np.int64) % np.maximum(widths - box_w + 1, 1)
-    flip_word = words[rows, np.where(found, used + 2, used)]
-    flips = uniform(flip_word, 0.0, 1.0) < flip.p
+    flips = uniform(words[rows, np.where(found, used + 2, used)], 0.0, 1.0) < flip.p
     boxes = np.stack([top, left, box_h, box_w], axis=1)
-    for i in np.flatnonzero(~found):
-        boxes[i] = central_box(crop, int(heights[i]), int(widths[i]))
+    for i in np.flatnonzero(~found):  # no try fits: the central crop, its aspect clamped to crop.ratio
+        height, width = int(heights[i]), int(widths[i])
+        h, w = min(height, round(width / min(crop.ratio))), min(width, round(height * max(crop.ratio)))
+        boxes[i] = (height - h) // 2, (width - w) // 2, h, w
     # Where rounding a square root was close to a tie, in any try up to the one that fit: the transforms decide
-    tried = np.arange(tries)[None, :] <= np.minimum(first, tries - 1)[:, None]
+    tried = np.arange(tries)[None, :] <= at[:, None]
     close = (close_to_half(width_roots) | close_to_half(height_roots)) & tried
     for i in np.flatnonzero(close.any(axis=1)):
         boxes[i], flips[i] = drawn_by_the_transforms(crop, flip, int(seeds[i]), int(heights[i]), int(widths[i]))
@@ -72,18 +71,6 @@ def draw(crop: v2.RandomResizedCrop, flip: v2.RandomHorizontalFlip, seeds, heigh
 
 def close_to_half(roots: np.ndarray) -> np.ndarray:
     return np.abs(roots - np.floor(roots) - 0.5) < CLOSE_TO_HALF
-
-
-def central_box(crop: v2.RandomResizedCrop, height: int, width: int) -> tuple[int, int, int, int]:
-    """RandomResizedCrop's box when none of its 10 tries fits: the central crop at the nearest allowed aspect."""
-    ratio = width / height
-    if ratio < min(crop.ratio):
-        box_w, box_h = width, int(round(width / min(crop.ratio)))
-    elif ratio > max(crop.ratio):
-        box_w, box_h = int(round(height * max(crop.ratio))), height
-    else:
-        box_w, box_h = width, height
-    return (height - box_h) // 2, (width - box_w) // 2, box_h, box_w
 
 
 def drawn_by_the_transforms(crop, flip, seed: int, height: int, width: int) -> tuple[list[int], bool]:

@@ -1,7 +1,6 @@
-"""Drawn flowers in flower_photos' layout, so that everything runs without a download: the demo's, told apart by
-shape more than colour, and photo-like ones (its sizes, blur, grain) for the GPU runs and the benchmarks of decoding.
+"""Drawn flowers in flower_photos' layout, so that everything runs without a download; photo-like ones for benchmarks.
 
-    python -m dataset.demo FOLDER [SCALE]   # photo-like JPEGs, flower_photos' counts times SCALE (1), every core
+python -m dataset.demo FOLDER [SCALE]   # photo-like JPEGs, flower_photos' counts times SCALE (1), every core
 """
 
 import math
@@ -21,7 +20,6 @@ from PIL import Image, ImageDraw, ImageFilter
 from utils import writing
 
 DEMO_DATA_PATH = Path(__file__).resolve().parents[1] / "data" / "demo_flower_photos"
-DEMO_CLASSES = ("daisy", "dandelion", "roses", "sunflowers", "tulips")
 FLOWER_PHOTOS = {"daisy": 633, "dandelion": 898, "roses": 641, "sunflowers": 699, "tulips": 799}  # images a class
 
 
@@ -112,7 +110,7 @@ def make_demo_data(
     """The folder of JPEGs (`images_per_class`: a number or {class: number}), made once by `workers` processes,
     whole or not at all, safe from several processes at once; `photo_like`: flower_photos' sizes, blur and grain."""
     root = Path(root)
-    counts = dict.fromkeys(DEMO_CLASSES, images_per_class) if isinstance(images_per_class, int) else images_per_class
+    counts = dict.fromkeys(FLOWER_PHOTOS, images_per_class) if isinstance(images_per_class, int) else images_per_class
     if root.is_dir():
         return root
     with writing(root):  # a data folder that cannot be written: one line
@@ -129,8 +127,7 @@ def make_demo_data(
                     with multiprocessing.Pool(workers) as pool:
                         pool.map(_write_image, tasks, chunksize=16)
                 else:
-                    for task in tasks:
-                        _write_image(task)
+                    list(map(_write_image, tasks))
                 os.rename(staging, root)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)

@@ -25,18 +25,13 @@ class DataSplit:
 
 def split_fingerprint(split: DataSplit, root) -> dict:
     """Per set, its count and a sha256 of its sorted (path relative to `root`, label) pairs: a moved folder's same."""
-
-    def digest(images: list[str], labels: list[int]) -> str:
-        pairs = zip(relative_posix(images, root), labels, strict=True)
-        lines = sorted(f"{image}\t{label}\n" for image, label in pairs)
-        return hashlib.sha256("".join(lines).encode("utf-8", NAMES)).hexdigest()
-
-    return {
-        "train_images": len(split.train_images),
-        "train_sha256": digest(split.train_images, split.train_labels),
-        "val_images": len(split.val_images),
-        "val_sha256": digest(split.val_images, split.val_labels),
-    }
+    found = {}
+    for part in ("train", "val"):
+        images, labels = getattr(split, f"{part}_images"), getattr(split, f"{part}_labels")
+        lines = sorted(f"{image}\t{label}\n" for image, label in zip(relative_posix(images, root), labels, strict=True))
+        digest = hashlib.sha256("".join(lines).encode("utf-8", NAMES)).hexdigest()
+        found |= {f"{part}_images": len(images), f"{part}_sha256": digest}
+    return found
 
 
 def relative_posix(paths, root) -> list[str]:
@@ -51,16 +46,12 @@ def relative_posix(paths, root) -> list[str]:
 def image_names(folder) -> list[str]:
     """The sorted names of the image files directly inside `folder` (os.scandir: docs/performance.md, Start-up)."""
     with os.scandir(folder) as entries:
-        names = [
-            entry.name
-            for entry in entries
-            if not entry.name.startswith(".") and entry.name.lower().endswith(IMAGE_EXTENSIONS) and entry.is_file()
-        ]
+        images = (entry for entry in entries if entry.name.lower().endswith(IMAGE_EXTENSIONS))
+        names = [entry.name for entry in images if not entry.name.startswith(".") and entry.is_file()]
     return sorted(names, key=os.path.normcase)
 
 
 def list_images(folder: Path) -> list[Path]:
-    """The image files directly inside `folder`, as paths."""
     return [folder / name for name in image_names(folder)]
 
 
@@ -71,7 +62,6 @@ def paths_in(folder) -> list[str]:
 
 
 def unreadable_images(images: list[str]) -> list[str]:
-    """Those of `images` that PIL cannot decode."""
     return [path for path in images if image_problem(path) is not None]
 
 
@@ -93,7 +83,6 @@ def read_split_data(root, val_rate: float = 0.2, seed: int = 0, output_dir=None,
 
 
 def sub_folders(folder: Path) -> list[str]:
-    """The sorted names of the sub-folders of `folder`, hidden ones (.git) left out."""
     return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
@@ -104,10 +93,8 @@ def given_split_folders(root: Path) -> bool:
         return False
     if names != ["train", "val"]:
         others = ", ".join(name for name in names if name not in ("train", "val"))
-        raise UserError(
-            f"data path {root} holds train/ and val/ beside other folders ({others}): a split given in advance "
-            "is a folder of train/ and val/ alone, each with one sub-folder per class"
-        )
+        raise UserError(f"data path {root} holds train/ and val/ beside other folders ({others}): a split given in "
+                        "advance is a folder of train/ and val/ alone, each with one sub-folder per class")  # fmt: skip
     return True
 
 
@@ -116,17 +103,14 @@ def given_split(root: Path, check) -> DataSplit:
     classes = {part: sub_folders(root / part) for part in ("train", "val")}
     for part, names in classes.items():
         if not names:
-            raise UserError(
-                f"{root / part} has no class sub-folders: a data folder of train/ and val/ alone is read as a "
-                f"split given in advance, each with one sub-folder per class (e.g. {root / part}/daisy/*.jpg)"
-            )
+            raise UserError(f"{root / part} has no class sub-folders: a data folder of train/ and val/ alone is "
+                            "read as a split given in advance, each with one sub-folder per class (e.g. "
+                            f"{root / part}/daisy/*.jpg)")  # fmt: skip
     if classes["train"] != classes["val"]:
         train, val = set(classes["train"]), set(classes["val"])
         only = {"train": train - val, "val": val - train}
-        raise UserError(
-            f"train/ and val/ of {root} have different classes: "
-            + "; ".join(f"only in {part}/: {', '.join(sorted(names))}" for part, names in only.items() if names)
-        )
+        lists = "; ".join(f"only in {part}/: {', '.join(sorted(names))}" for part, names in only.items() if names)
+        raise UserError(f"train/ and val/ of {root} have different classes: {lists}")
     split = DataSplit([], [], [], [], classes["train"], given=True)
     folders = [root / part / name for name in split.classes for part in ("train", "val")]
     found = iter(class_images(folders, check, split.unreadable))
@@ -167,10 +151,8 @@ def class_images(folders: list[Path], check, unreadable: list[str]) -> list[list
     for folder in (folder for folder, images in zip(folders, found, strict=True) if not images):
         message = f"class folder {folder} holds no readable images ({' '.join(IMAGE_EXTENSIONS)})"
         if inside := sub_folders(folder):
-            message += (
-                f", only sub-folders ({describe(inside)}), whose images are not read: a class's images lie directly in "
-                "its folder (is the data path one level too high?)"
-            )
+            message += (f", only sub-folders ({describe(inside)}), whose images are not read: a class's images lie "
+                        "directly in its folder (is the data path one level too high?)")  # fmt: skip
         raise UserError(message)
     return found
 

@@ -1,5 +1,4 @@
-"""The start-up check of a run's images, decoded once, the verdicts kept in the run's folder so that a restart decodes
-only new or changed ones (docs/resuming-and-failures.md, Unreadable images at the start)."""
+"""The start-up check of a run's images, its verdicts kept for a restart (docs/resuming-and-failures.md)."""
 
 import contextlib
 import json
@@ -25,8 +24,7 @@ class ImageCheck:
     def __init__(self, root, folder: Path | None, shared: bool = False):
         self.root, self.folder, self.shared = Path(root), folder, shared and folder is not None
         self.verdicts: dict[str, list] = {}  # relative path: [size, mtime_ns, problem or None]
-        self.unsaved = False
-        self.decoded = 0  # images decoded by this process (the rest had a verdict)
+        self.unsaved, self.decoded = False, 0  # decoded: by this process (the rest had a verdict)
 
     def __call__(self, images: list[str]) -> list[str]:
         names = relative_posix(images, self.root)
@@ -64,8 +62,7 @@ class ImageCheck:
         for name in self.stale(now):
             path, (size, mtime_ns) = now[name]
             self.verdicts[name] = [size, mtime_ns, dataset.images.image_problem(path)]
-            self.decoded += 1
-            self.unsaved = True
+            self.decoded, self.unsaved = self.decoded + 1, True
         self.keep_listed(now)
 
     def keep_listed(self, now: dict) -> None:
@@ -80,8 +77,7 @@ class ImageCheck:
             return
         # Merged: a run refused (another holds the folder) must not take that run's verdicts away, nor an evaluation
         verdicts = self.remembered(folder, quietly=True) | self.verdicts if self.shared or merge else self.verdicts
-        record = {"format": FORMAT, "root": str(self.root), "images": verdicts}
-        text = json.dumps(record, separators=(",", ":"))
+        text = json.dumps({"format": FORMAT, "root": str(self.root), "images": verdicts}, separators=(",", ":"))
         write_atomically(folder / CHECKED_IMAGES, lambda f: f.write(text))
         self.unsaved = False
 
@@ -92,27 +88,24 @@ def check_lock(folder: Path):
     try:
         held = FileLock(folder / CHECK_LOCK).acquire()
     except OSError as error:
-        raise UserError(
-            f"cannot take the lock {folder / CHECK_LOCK}: {error.strerror or error} (the lock the processes of a run "
-            "take in turn to check its images is a file this user can open): remove it and run again"
-        ) from None
+        raise UserError(f"cannot take the lock {folder / CHECK_LOCK}: {error.strerror or error} (the lock the "
+                        "processes of a run take in turn to check its images is a file this user can open): remove "
+                        "it and run again") from None  # fmt: skip
     with held:
         yield
 
 
 def file_key(path: str) -> tuple[int, int] | None:
     """(size, modification time in ns) of `path`, or None if it vanished since it was listed."""
-    try:
+    with contextlib.suppress(OSError):
         stat = os.stat(path)
-    except OSError:
-        return None
-    return stat.st_size, stat.st_mtime_ns
+        return stat.st_size, stat.st_mtime_ns
+    return None
 
 
 def read_verdicts(folder: Path | None) -> dict[str, list]:
     """The verdicts kept in `folder` (none without the file); UserError if the file is not one this code wrote."""
-    path = None if folder is None else folder / CHECKED_IMAGES
-    if path is None or not path.exists():
+    if folder is None or not (path := folder / CHECKED_IMAGES).exists():
         return {}
     record = read_json(path, "image check cache")
     if record.get("format") != FORMAT:

@@ -60,9 +60,8 @@ def capped(size: tuple[int, int], cap: int) -> tuple[int, int]:
 
 
 def write_decoded(task) -> list[tuple[int, bool]]:
-    """A building process's share of an image store: each image decoded as load_rgb does at each of `min_sides`
-    (once for each shape: entries of one shape share their pixels), resized to its stored size where a cap brought it
-    down, and written at its offset; (its index, whether it decoded as its header said) each."""
+    """A building process's share of an image store: each image decoded by load_rgb at each of `min_sides` (once a
+    shape), resized where capped, written at its offset; (its index, whether it decoded as its header said) each."""
     store, start, images, min_sides, cap = task
     done = []
     with open(store, "r+b") as file:

@@ -1,7 +1,5 @@
-"""Batches made on the device (--batches device or stream), in place of DataLoaders: each training batch's crop boxes,
-the loader's (drawn from each image's seed), gathered from the image store, then resized and flipped on the device;
-from images held there, or streamed there from the store a few batches ahead (docs/performance.md, Batches made on
-the device). On the CPU each box is resized by the loader's own call: the loader's batches, bitwise."""
+"""Batches made on the device (--batches device or stream) in place of DataLoaders, from images held there or streamed
+from the store; on the CPU, the loader's bitwise (docs/performance.md, Batches made on the device)."""
 
 import math
 import queue
@@ -27,21 +25,17 @@ def resampling_taps(largest_side: int, size: int) -> int:
 
 
 class TrainingBatches:
-    """`batch_sampler`'s batches of `dataset` (its images in the store: dataset.decoded) made on `device` as its
-    transform would make them: normalised in `memory_format` on a GPU, 8-bit on the CPU (the loader's bytes, which
-    the loop normalises as the loader's). The images are held on the device (copied there once) or, `streamed`,
-    gathered from the store a few batches ahead of the step and copied over."""
+    """`batch_sampler`'s batches of `dataset` (its images in dataset.decoded) made on `device` as its transform makes
+    them (8-bit on the CPU, else normalised in `memory_format`), from images held there or, `streamed`, the store."""
 
     def __init__(self, dataset, batch_sampler, device, memory_format=torch.contiguous_format, streamed=False):
         self.dataset, self.batch_sampler, self.memory_format = dataset, batch_sampler, memory_format
         self.device, self.streamed = torch.device(device), streamed
         self.crop, self.flip = crop_and_flip(dataset.transform)
-        self.size = self.crop.size[0]
-        images = dataset.decoded
-        readable = images.offsets >= 0
+        images, self.size = dataset.decoded, self.crop.size[0]
+        self.readable = readable = images.offsets >= 0
         self.sizes = np.where(readable[:, None], images.shapes, 1)  # an unreadable image: 1 x 1, and black
         self.labels = np.where(readable, np.asarray(dataset.images_class, dtype=np.int64), SKIPPED)
-        self.readable = readable
         self.taps = resampling_taps(int(self.sizes.max(initial=1)), self.size)
         if streamed or self.device.type == "cpu":
             self.pixels, self.offsets = images.pixels, np.where(readable, images.offsets, 0)
@@ -57,8 +51,7 @@ class TrainingBatches:
         if not pairs:
             return
         rows = self.plan(np.array([i for i, _ in pairs]), np.array([seed for _, seed in pairs], dtype=np.uint64))
-        ends = np.cumsum([len(batch) for batch in batches])
-        parts = np.split(rows, ends[:-1])
+        parts = np.split(rows, np.cumsum([len(batch) for batch in batches])[:-1])
         if self.streamed:
             yield from self.stream(parts)
             return
@@ -77,12 +70,10 @@ class TrainingBatches:
         return self.crops(self.gather(rows).to(self.device), rows), torch.from_numpy(self.labels[index])
 
     def gather(self, rows: np.ndarray, pin: bool = False) -> torch.Tensor:
-        """The boxes of `rows` gathered from the images, where they are (gather_boxes)."""
         return gather_boxes(self.pixels, self.offsets, self.sizes[:, 1], rows, self.taps, pin)
 
     def crops(self, boxes: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """The batch of `rows` resized from their `boxes` (on the device): on the CPU by the loader's own call (8-bit),
-        elsewhere by resampled_by_matrices, normalised."""
+        """The batch of `rows` from their `boxes`: on the CPU resized as the loader does, else resampled_by_matrices."""
         readable = self.readable[rows[:, 0]]
         if boxes.device.type == "cpu":
             crops = []
@@ -93,25 +84,19 @@ class TrainingBatches:
             return torch.stack(crops) if crops else torch.zeros((0, 3, self.size, self.size), dtype=torch.uint8)
         table = torch.from_numpy(np.concatenate([rows[:, 3:6], readable[:, None]], axis=1))
         table = table.pin_memory().to(boxes.device, non_blocking=True)  # pinned: the host waits for nothing
-        pixels = resampled_by_matrices(boxes, self.taps, table, self.size)
-        return normalise_pixels(pixels, self.memory_format)
+        return normalise_pixels(resampled_by_matrices(boxes, self.taps, table, self.size), self.memory_format)
 
     def stream(self, parts: list[np.ndarray]):
-        """The batches of `parts`, their boxes gathered from the store by a thread AHEAD batches ahead (into pinned
-        memory, on a GPU) and copied to the device on a stream of their own, one batch ahead: the step waits for
-        neither."""
+        """`parts`' batches, gathered by a thread AHEAD ahead, copied on a side stream: the step waits for neither."""
         cuda = self.device.type == "cuda"
         pin = cuda and torch.cuda.is_available()
-        gathered = Ahead(lambda rows: (self.gather(rows, pin), rows), parts)
         copies = torch.cuda.Stream(self.device) if cuda else None
-        pending = None
-        for boxes, rows in gathered:
+        pending = copied = None
+        for boxes, rows in ahead(lambda rows: (self.gather(rows, pin), rows), parts):
             if cuda:
                 with torch.cuda.stream(copies):
                     boxes = boxes.to(self.device, non_blocking=True)
                     copied = copies.record_event()
-            else:
-                copied = None
             if pending is not None:
                 yield self.arrived(*pending)
             pending = boxes, rows, copied
@@ -127,14 +112,12 @@ class TrainingBatches:
 
 
 def held_bytes(images) -> int:
-    """The bytes held_on takes for `images`: their pixels and a tail of 9 bytes per pixel of the longest side, where
-    gather_boxes reads past the last image; while they are copied there, a STAGING chunk more."""
+    """The bytes held_on takes for `images`, gather_boxes' tail included (and while they are copied, a STAGING more)."""
     return images.bytes + 3 * (3 * int(images.shapes.max(initial=1)) + 2)
 
 
 def held_on(device: torch.device, images) -> tuple[torch.Tensor, np.ndarray]:
-    """The readable images of `images` one after another on `device` (unreadable ones take no room) and their
-    offsets there: copied a staging buffer's worth at a time, never a second host copy of them all."""
+    """The readable images one after another on `device`, and their offsets there: copied STAGING bytes at a time."""
     sizes = 3 * images.shapes.prod(axis=1) * (images.offsets >= 0)
     offsets = np.cumsum(sizes) - sizes
     pixels = torch.zeros(held_bytes(images), dtype=torch.uint8, device=device)
@@ -151,17 +134,16 @@ def held_on(device: torch.device, images) -> tuple[torch.Tensor, np.ndarray]:
 
 def gather_boxes(pixels, offsets, widths, rows: np.ndarray, margin: int, pin: bool = False) -> torch.Tensor:
     """(images, tallest box + margin, widest box + margin, 3): each row's box (index, top, left, height, width) of
-    the images one after another in `pixels` (image i from offsets[i], widths[i] wide), at its top left, read row by
-    row; below a box, its last row again; right of it, whatever bytes follow there (the resampling weighs both 0):
-    past the last image, the zeros a store keeps there."""
+    image index (from offsets[index], widths[index] wide) at its top left; below a box its last row again, right of it
+    the bytes that follow (the resampling weighs both 0; past the last image, the zeros a store keeps there)."""
     index, top, left, height, width = rows[:, :5].T
     tall, wide = int(height.max()) + margin, int(width.max()) + margin
     lines = top[:, None] + np.minimum(np.arange(tall), height[:, None] - 1)  # each row's line of its image
     starts = offsets[index, None] + (lines * widths[index, None] + left[:, None]) * 3
     if int(starts.max()) + wide * 3 > len(pixels):
         raise ValueError(f"boxes read {int(starts.max()) + wide * 3} bytes, past the {len(pixels)} of the images")
-    if pixels.device.type == "cpu":  # numpy's copy: a torch operation in the stream's thread would start an OpenMP
-        source = pixels.numpy()  # team for it, and more threads than cores slow the step's own (docs/performance.md)
+    if pixels.device.type == "cpu":  # numpy: torch in this thread would start an OpenMP team (docs/performance.md)
+        source = pixels.numpy()
         windows = np.lib.stride_tricks.as_strided(source, (len(source) - wide * 3 + 1, wide * 3), (1, 1))
         out = torch.from_numpy(windows[starts.reshape(-1)])  # (indexing copies the rows it picks, np.take the view)
         if pin:  # copied by numpy into pinned memory, which torch's caching allocator reuses
@@ -170,8 +152,7 @@ def gather_boxes(pixels, offsets, widths, rows: np.ndarray, margin: int, pin: bo
             out = pinned
         return out.view(len(rows), tall, wide, 3)
     windows = pixels.unfold(0, wide * 3, 1)  # every run of wide x 3 bytes, a view
-    starts = torch.from_numpy(starts.reshape(-1))
-    starts = starts.pin_memory().to(pixels.device, non_blocking=True)
+    starts = torch.from_numpy(starts.reshape(-1)).pin_memory().to(pixels.device, non_blocking=True)
     return torch.index_select(windows, 0, starts).view(len(rows), tall, wide, 3)
 
 
@@ -185,9 +166,8 @@ def crop_and_flip(transform: v2.Compose) -> tuple[v2.RandomResizedCrop, v2.Rando
 
 
 def resampled_by_matrices(boxes: torch.Tensor, taps: int, table: torch.Tensor, size: int) -> torch.Tensor:
-    """Each box (at the top left of `boxes`, `table`'s height, width, flip, readable) resized to `size` as torchvision's
-    antialiased resize does, to within rounding, 0-255 in float16 on a GPU: rows, then columns, by matrix products;
-    an unreadable image black."""
+    """Each box (at the top left of `boxes`; `table`: height, width, flip, readable) resized to `size` as torchvision's
+    antialiased resize does, to within rounding, by matrix products: 0-255 in float16 on a GPU, unreadable ones 0."""
     dtype = torch.float16 if boxes.device.type == "cuda" else torch.float32
     height, width, flipped, readable = table.unbind(1)
     batch, tall, wide = len(boxes), boxes.shape[1], boxes.shape[2]
@@ -222,35 +202,30 @@ def resampling_weights(start, length, size: int, padded: int, taps: int, flipped
     return dense.index_put_((images, torch.arange(size, device=device)[None, :, None], columns), weight.to(dtype))
 
 
-class Ahead:
+def ahead(make, items):
     """make(item) for each of `items`, in order, made by a thread of its own AHEAD items ahead of the one asking."""
+    made = queue.Queue(AHEAD)
 
-    def __init__(self, make, items):
-        self.made, self.items, self.make = queue.Queue(AHEAD), items, make
-        self.thread = threading.Thread(target=self.work, name="batches-ahead", daemon=True)
-        self.thread.start()
-
-    def work(self) -> None:
+    def work() -> None:
         try:
-            for item in self.items:
-                self.made.put((self.make(item), None))
+            for item in items:
+                made.put((make(item), None))
         except BaseException as error:  # raised in the thread that asks for it
-            self.made.put((None, error))
+            made.put((None, error))
 
-    def __iter__(self):
-        for _ in self.items:
-            made, error = self.made.get()
-            if error is not None:
-                raise error
-            yield made
+    threading.Thread(target=work, name="batches-ahead", daemon=True).start()
+    for _ in items:
+        result, error = made.get()
+        if error is not None:
+            raise error
+        yield result
 
 
 class ValidationBatches:
     """The validation batches of `indices` of `dataset`, each image transformed once and kept on `device`."""
 
     def __init__(self, dataset, indices, batch_size: int, device: torch.device, workers: int | None = None):
-        self.dataset, self.indices, self.batch_size = dataset, list(indices), batch_size
-        self.batch_sampler = None
+        self.dataset, self.indices, self.batch_size, self.batch_sampler = dataset, list(indices), batch_size, None
         chunks = [self.indices[i : i + 64] for i in range(0, len(self.indices), 64)]  # a task an image costs 0.1 ms
         with ThreadPoolExecutor(workers or cores_per_process(1)) as pool:
             items = [item for part in pool.map(lambda part: [dataset[i] for i in part], chunks) for item in part]

@@ -36,12 +36,10 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 def sample_seeds(seed: int, epoch: int, indices) -> np.ndarray:
     """sample_seed for every index (each below 2**32) at once, as uint64 (tests/test_on_device.py checks they agree)."""
-    indices = np.asarray(indices, dtype=np.uint64)
     words = [np.full(len(indices), word, dtype=np.uint32) for word in [*uint32_words(seed), *uint32_words(epoch)]]
-    words.append(indices.astype(np.uint32))
-    pool, hashes = [], seed_sequence_hashes(SEED_INIT_A, SEED_MULT_A)
-    for i in range(SEED_POOL):  # the pool from the key's words, hashed (zeros past its end)
-        pool.append(seed_hash(words[i] if i < len(words) else np.zeros_like(words[0]), next(hashes)))
+    words.append(np.asarray(indices, dtype=np.uint64).astype(np.uint32))
+    hashes = seed_sequence_hashes(SEED_INIT_A, SEED_MULT_A)  # the pool: the key's words hashed (zeros past its end)
+    pool = [seed_hash(words[i] if i < len(words) else np.zeros_like(words[0]), next(hashes)) for i in range(SEED_POOL)]
     for source in range(SEED_POOL):  # every word mixed into every other
         for target in range(SEED_POOL):
             if source != target:
@@ -70,8 +68,7 @@ def seed_sequence_hashes(init: int, mult: int):
 def seed_hash(values: np.ndarray, constant: int, multiply_first: bool = True) -> np.ndarray:
     """SeedSequence's hashmix of uint32 `values` with hash constant `constant` (it multiplies by the next one)."""
     mult = SEED_MULT_A if multiply_first else SEED_MULT_B
-    values = values ^ np.uint32(constant)
-    values = values * np.uint32(constant * mult % 2**32)
+    values = (values ^ np.uint32(constant)) * np.uint32(constant * mult % 2**32)
     return values ^ (values >> np.uint32(16))
 
 
@@ -82,11 +79,7 @@ def seed_mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def uint32_words(value: int) -> list[int]:
     """A non-negative int as SeedSequence reads it: its 32-bit words, lowest first ([0] for 0)."""
-    words = [value & 0xFFFFFFFF]
-    while value >> 32:
-        value >>= 32
-        words.append(value & 0xFFFFFFFF)
-    return words
+    return [value >> shift & 0xFFFFFFFF for shift in range(0, max(value.bit_length(), 1), 32)]
 
 
 def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:

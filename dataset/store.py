@@ -1,6 +1,5 @@
-"""The image store: a data folder's images decoded once, into one file per data set and decode size, kept in a cache
-folder for every later run, and mapped by every process that reads them: one copy in the page cache however many
-processes, larger than memory where the disk holds it (docs/performance.md, The image store)."""
+"""The image store: a data folder's images decoded once into a file in a cache folder, mapped by every later run's
+processes: one copy in the page cache however many read it (docs/performance.md, The image store)."""
 
 import contextlib
 import errno
@@ -29,9 +28,8 @@ TASK_IMAGES = 32  # images a building process decodes between two notes of its p
 
 
 class DecodedImages:
-    """Images as 8-bit pixels one after another (height x width x 3 each) in `pixels`: image i from `offsets[i]` (-1:
-    not there, read from its file), `shapes[i]` its (height, width). Mapped from a store file, it pickles as the file
-    (a spawned loader process maps it again), not its bytes."""
+    """Images as 8-bit pixels (height x width x 3 each) in `pixels`: image i from `offsets[i]` (-1: read from its file),
+    `shapes[i]` its (height, width). Mapped from a store file, it pickles as the file, not its bytes."""
 
     def __init__(self, pixels: torch.Tensor, offsets, shapes, mapped: tuple | None = None):
         self.pixels, self.offsets, self.shapes, self.mapped = pixels, np.asarray(offsets), np.asarray(shapes), mapped
@@ -55,23 +53,19 @@ class DecodedImages:
 
     @property
     def bytes(self) -> int:
-        """The bytes of the images it holds."""
         return int((3 * self.shapes.prod(axis=1) * (self.offsets >= 0)).sum())
 
 
 class Store:
-    """A store file mapped: its images by path (`rows`), each at every decode size it was stored at (`min_sides`,
-    one entry an image and size: `offsets`, `shapes`; an entry of the same shape as an earlier one shares its
-    pixels), and whether each decoded."""
+    """A store file mapped: rows by path; per image and min_side, an offset (-1: unreadable) and a shape."""
 
     def __init__(self, path: Path):
-        self.path = path
-        header, offsets, shapes, state, _, start = read_index(path)
-        self.paths, self.min_sides, self.shapes = header["paths"], header["min_sides"], shapes
+        header, offsets, self.shapes, state, _, self.start = read_index(path)
+        self.path, self.paths, self.min_sides = path, header["paths"], header["min_sides"]
         self.offsets = np.where(state[:, None] == STATE_DONE, offsets, -1)
         self.rows = {name: row for row, name in enumerate(self.paths)}
-        self.start, self.size = start, start + header["bytes"]
-        self.pixels = torch.from_file(str(path), shared=False, size=self.size, dtype=torch.uint8)[start:]
+        self.size = self.start + header["bytes"]
+        self.pixels = torch.from_file(str(path), shared=False, size=self.size, dtype=torch.uint8)[self.start :]
 
     def unreadable(self) -> list[str]:
         return [name for name, offset in zip(self.paths, self.offsets[:, 0], strict=True) if offset < 0]
@@ -79,14 +73,12 @@ class Store:
     def images(self, paths: list[str], min_side: int) -> DecodedImages:
         """The images of `paths` (all of them stored here) at decode size `min_side` (one of min_sides)."""
         rows = np.array([self.rows[os.path.abspath(path)] for path in paths], dtype=np.int64)
-        entry = self.min_sides.index(min_side)
-        mapped = (self.path, self.start, self.size)
+        entry, mapped = self.min_sides.index(min_side), (self.path, self.start, self.size)
         return DecodedImages(self.pixels, self.offsets[rows, entry], self.shapes[rows, entry], mapped)
 
 
 def fingerprint(paths: list[str], min_sides: list[int]) -> str:
-    """A name for the images a store holds (their paths, sizes and modification times) and their decode sizes: a
-    changed file or another decode size names another store."""
+    """A name for these files (paths, sizes, modification times) at `min_sides`: any change names another store."""
     digest = hashlib.sha256(json.dumps([VERSION, min_sides]).encode())
     for path in paths:
         stat = os.stat(path)
@@ -95,10 +87,8 @@ def fingerprint(paths: list[str], min_sides: list[int]) -> str:
 
 
 def store_for(paths: list[str], folder: Path, min_sides: list[int], cap: int | None = None) -> tuple[Store, str]:
-    """The store of `paths` in `folder`, each image decoded as load_rgb does at each of `min_sides` (the training's
-    and the validation's; the shorter sides then at most `cap`; None: as decoded, unless the disk holds only a
-    capped store), built now if it is not there (by every core, under a lock that the process building it holds:
-    another waits, then maps it), and the line saying which. OSError where it cannot be built."""
+    """The store of `paths` in `folder` at each of `min_sides`, shorter sides at most `cap` (None: as the disk allows),
+    built now if missing (under a lock: another process waits), and the line saying which; OSError if it cannot be."""
     paths = [os.path.abspath(path) for path in paths]  # (the same store from any working folder)
     name = fingerprint(paths, min_sides)
     folder.mkdir(parents=True, exist_ok=True)
@@ -116,8 +106,7 @@ def store_for(paths: list[str], folder: Path, min_sides: list[int], cap: int | N
 
 
 def whole_store(folder: Path, name: str, cap: int | None, damaged=False) -> tuple[Store, str] | None:
-    """The store `name` in `folder` (at `cap`; None: any) and its line, or None; `damaged`: one that cannot be read is
-    removed, with a warning (a process building it holds the lock)."""
+    """The store `name` in `folder` (at `cap`; None: any) and its line, or None; `damaged`: unreadable ones removed."""
     for path in sorted(folder.glob(f"{name}-{cap or '*'}.store")):
         with contextlib.suppress(OSError, ValueError):
             store = Store(path)
@@ -133,25 +122,20 @@ def locked(path: Path):
     """Hold the lock file `path`, saying so when another process holds it first (and is building the store)."""
     lock = FileLock(path)
     try:
-        lock.acquire(timeout=0)
+        held = lock.acquire(timeout=0)
     except Timeout:
         print(f"Images: waiting for another process building the store ({path})", flush=True)
-        lock.acquire()
-    try:
+        held = lock.acquire()
+    with held:
         yield
-    finally:
-        lock.release()
 
 
 def build(paths: list[str], folder: Path, name: str, min_sides: list, cap: int | None) -> tuple[Path, int, str]:
-    """Decode `paths` into a store file in `folder`: first into a partial file (a build that is killed leaves it,
-    and the next one goes on from it; one that runs out of room removes it), then renamed whole. Returns (its path,
-    the processes it took, a note of its cap)."""
+    """Decode `paths` into a partial file (a killed build's resumed, one out of room removed), renamed into place."""
     processes = max(1, min(available_cores(), len(paths)))
-    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     partial = None
     try:
-        with context.Pool(processes) as pool:
+        with multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn").Pool(processes) as pool:
             tasks = [(paths[i : i + TASK_IMAGES], min_sides) for i in range(0, len(paths), TASK_IMAGES)]
             sizes = [size for part in pool.imap(stored_sizes, tasks) for size in part]  # an image's at each side
             cap, note = cap_to_fit(sizes, folder, cap)
@@ -176,9 +160,8 @@ def build(paths: list[str], folder: Path, name: str, min_sides: list, cap: int |
 
 
 def cap_to_fit(sizes: list, folder: Path, cap: int | None) -> tuple[int | None, str]:
-    """(the cap to store the images at, a note of it): `cap` as given, else none where they fit in 90 % of the room
-    free in `folder`, else the largest shorter side that fits there; OSError (ENOSPC) where even 1/8 of the images'
-    decoded sizes' sides would not fit."""
+    """(the cap, a note of it): `cap` as given, else none where the images fit in 90 % of the room free in `folder`,
+    else the largest shorter side that fits; OSError (ENOSPC) where that is under 1/8 of the uncapped largest."""
     if cap is not None:
         return cap, f", at most {cap} px on the shorter side"
     room = 0.9 * shutil.disk_usage(folder).free
@@ -196,20 +179,16 @@ def cap_to_fit(sizes: list, folder: Path, cap: int | None) -> tuple[int | None, 
 
 
 def decode_into(partial: Path, paths: list[str], state: np.ndarray, pool, decoding: tuple) -> None:
-    """Decode the images `state` marks to do into the partial store, by `pool`'s processes, each image's new state
-    written as its task ends (after its pixels: a state on disk never claims pixels that are not)."""
+    """Decode the images `state` marks to do into `partial` by `pool`, each image's state written after its pixels."""
     _, offsets, shapes, _, states_at, start = read_index(partial)
     offsets, shapes = offsets.tolist(), shapes.tolist()
     with open(partial, "r+b", buffering=0) as file:  # (each state to the system as it is written: a kill keeps it)
-        todo = np.flatnonzero(state == STATE_TODO).tolist()
-        parts = [todo[i : i + TASK_IMAGES] for i in range(0, len(todo), TASK_IMAGES)]
-        tasks = [(str(partial), start, [(i, paths[i], offsets[i], shapes[i]) for i in part], *decoding)
-                 for part in parts]  # fmt: skip
+        todo = [(i, paths[i], offsets[i], shapes[i]) for i in np.flatnonzero(state == STATE_TODO).tolist()]
+        tasks = [(str(partial), start, todo[i : i + TASK_IMAGES], *decoding) for i in range(0, len(todo), TASK_IMAGES)]
         for done in pool.imap_unordered(write_decoded, tasks):
             for index, ok in done:
                 file.seek(states_at + index)
                 file.write(bytes([STATE_DONE if ok else STATE_UNREADABLE]))
-        file.flush()
         os.fsync(file.fileno())
 
 
@@ -221,24 +200,20 @@ def stored_sizes(task) -> list:
 
 
 def create(partial: Path, paths: list[str], sizes: list, min_sides: list, cap: int | None) -> np.ndarray:
-    """A new partial store: its header, its index (an image PIL cannot open is marked unreadable now; an image's
-    entry of the shape of an earlier one of it shares its pixels) and room for the pixels, reserved on the disk
-    where the system can (a full disk says so now, not half way)."""
+    """A new partial store and its state (PIL's unopenable images unreadable), the room reserved where it can be."""
     count, sides = len(paths), len(min_sides)
     shapes = np.array([size or [(0, 0)] * sides for size in sizes], dtype=np.int64).reshape(count, sides, 2)
     offsets, end = np.zeros((count, sides), dtype=np.int64), 0
     for image, entries in enumerate(shapes.tolist()):
         for entry, shape in enumerate(entries):
-            earlier = entries.index(shape)
-            if earlier < entry:
+            if (earlier := entries.index(shape)) < entry:
                 offsets[image, entry] = offsets[image, earlier]
             else:
                 offsets[image, entry], end = end, end + 3 * shape[0] * shape[1]
     state = np.where(shapes[:, 0].prod(axis=1) > 0, STATE_TODO, STATE_UNREADABLE).astype(np.uint8)
     tail = 3 * (3 * int(shapes.max(initial=0)) + 2)  # zeros past the last image: what gather_boxes may read there
-    header = {"version": VERSION, "count": count, "min_sides": list(min_sides), "cap": cap, "bytes": end + tail,
-              "paths": paths}  # fmt: skip
-    text = json.dumps(header, ensure_ascii=True).encode()
+    text = json.dumps({"version": VERSION, "count": count, "min_sides": list(min_sides), "cap": cap,
+                       "bytes": end + tail, "paths": paths}, ensure_ascii=True).encode()  # fmt: skip
     start = pixels_start(len(MAGIC) + 8 + len(text) + (24 * sides + 1) * count)
     size = start + end + tail
     with open(partial, "wb") as file:
@@ -261,8 +236,7 @@ def resumed(partial: Path, count: int) -> np.ndarray | None:
 
 
 def read_index(path: Path) -> tuple[dict, np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """(the header; each image's offsets, shapes and state; where the states and where the pixels start in the
-    file); ValueError if it is not a whole store file of this version."""
+    """(header, offsets, shapes, state, where the states and the pixels start); ValueError if not a whole store."""
     with open(path, "rb") as file:
         if file.read(len(MAGIC)) != MAGIC:
             raise ValueError(f"{path} is not a store file")
@@ -290,16 +264,12 @@ STORE_ENV = "FLOWERS_STORE_DIR"  # the store's folder, where --store-dir does no
 
 def store_folder(flag: str | None) -> Path | None:
     """Where the image store is kept: --store-dir, else $FLOWERS_STORE_DIR, else the user's cache; None: off."""
-    if flag == "off":
-        return None
-    return Path(flag or os.environ.get(STORE_ENV) or cache_folder() / "images")
+    return None if flag == "off" else Path(flag or os.environ.get(STORE_ENV) or cache_folder() / "images")
 
 
 class StoredImages:
-    """read_split_data's verify_images for a run: the images listed found in, or decoded into, the store in `folder`
-    (None: no store) at each of `min_sides`, the unreadable ones returned; where there is no store, or it cannot be
-    built, `fallback` (the run's ImageCheck) finds them. Then `path` is the store's (None: none) and `line` says
-    what became of them."""
+    """read_split_data's verify_images for a run: the store in `folder` (else `fallback`, the run's ImageCheck) finds
+    the unreadable images. Then `path` is the store's (None: none) and `line` says what became of them."""
 
     def __init__(self, folder: Path | None, min_sides: list[int], cap: int | None, fallback):
         self.folder, self.min_sides, self.cap, self.fallback = folder, min_sides, cap, fallback
@@ -327,8 +297,7 @@ def main(argv=None) -> None:
     parser.add_argument("--store-dir", help="the store's folder (default: the runs' default)")
     parser.add_argument("--store-side", type=positive_int, help="the runs' --store-side (default: auto)")
     args = parser.parse_args(argv)
-    folder = store_folder(args.store_dir)
-    if folder is None:
+    if (folder := store_folder(args.store_dir)) is None:
         raise UserError("--store-dir off: no store to build")
     stored = StoredImages(folder, decode_sides(args.img_size), args.store_side, fallback=lambda images: [])
     split = read_split_data(args.data_path, verify_images=stored)

@@ -1,8 +1,4 @@
-"""The results file of predict.py and evaluate.py: one row per image, in the order of the images, as CSV or JSON
-Lines (the file's name says which; docs/trained-models.md has the columns). The rows stream into the file as they are
-scored (memory holds one batch of them), and it appears whole at the end or not at all (utils.atomic_file). The file is
-UTF-8: a name's bytes that are not are written as JSON's escapes (`text`, `name`).
-"""
+"""predict.py's and evaluate.py's results file: a row per image in order, CSV or JSON Lines, whole or not at all."""
 
 import argparse
 import contextlib
@@ -48,9 +44,8 @@ def add_results_arguments(p: argparse.ArgumentParser) -> None:
                    ".jsonl: its path, true class where known, top classes with their probabilities, or why it could "
                    "not be read (see docs/trained-models.md)")  # fmt: skip
     p.add_argument("--force", action="store_true", help="replace the --results file if it exists")
-    p.add_argument(
-        "--topk", type=positive_int, default=3, help="classes per image, likeliest first (at most all of them)"
-    )
+    p.add_argument("--topk", type=positive_int, default=3,
+                   help="classes per image, likeliest first (at most all of them)")  # fmt: skip
 
 
 def check_results_file(path: Path | None, force: bool) -> None:
@@ -77,8 +72,6 @@ def name(value: str) -> str:
 
 
 class ResultsWriter:
-    """Writes rows to an open text file, CSV or JSON Lines."""
-
     def __init__(self, file, topk: int, jsonl: bool):
         self.file, self.topk, self.jsonl, self.rows = file, topk, jsonl, 0
         if not jsonl:
@@ -111,8 +104,7 @@ class NoResults:
 
 @contextlib.contextmanager
 def results_file(path: Path | None, topk: int, enabled: bool = True):
-    """A ResultsWriter for --results, whose file appears when the block ends without an exception or a stop signal;
-    without a path, or not `enabled` (not rank 0), NoResults."""
+    """A ResultsWriter for --results, its file there only if the block ends cleanly (no stop signal); else NoResults."""
     if path is None or not enabled:
         yield NoResults()
         return
@@ -122,14 +114,11 @@ def results_file(path: Path | None, topk: int, enabled: bool = True):
 
 @contextlib.contextmanager
 def unwinding_on_stop_signals():
-    """Inside, a stop signal (SIGTERM, SIGUSR1) raises SystemExit(128 + the signal) instead of ending the process on
-    the spot: the blocks unwind, and a results file being written is removed, not left half written."""
+    """Inside, a stop signal raises SystemExit(128 + signal): the blocks unwind, a half-written results file goes."""
     if threading.current_thread() is not threading.main_thread():  # Python runs handlers in the main thread alone
         yield
         return
-    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda received, frame: sys.exit(128 + received))
+    before = {signum: signal.signal(signum, lambda number, frame: sys.exit(128 + number)) for signum in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -1,7 +1,4 @@
-"""Scoring images with a trained model in every process of a job, as predict.py and evaluate.py do: each process
-scores its shard (val_shard), and rank 0 gathers each batch from all of them in the order of the images, so that it
-sees every image once, in input order, whatever the world size.
-"""
+"""Scoring in every process (predict.py, evaluate.py), rank 0 gathering each image once, in order, at any world size."""
 
 import argparse
 import math
@@ -14,13 +11,7 @@ from dataset.images import SKIPPED, image_problem
 from inference.results import Row
 from inference.trained import TrainedModel
 from multi_train_utils.bookkeeping import Tally, ToHost, progress_bar
-from multi_train_utils.distributed_utils import (
-    Process,
-    get_rank,
-    init_distributed_mode,
-    launcher_environment,
-    single_process,
-)
+from multi_train_utils.distributed_utils import Process, init_distributed_mode, launcher_environment, single_process
 from multi_train_utils.spawn_utils import spawn_world_size
 from utils import UserError, positive_int
 
@@ -36,8 +27,7 @@ def add_scoring_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def join_group(device: str | None, rank: int | None = None, world_size: int | None = None) -> Process:
-    """This process's place in the job: spawn passes `rank` and `world_size`, torchrun sets them in the environment.
-    Started alone with plain python it forms no group: no one to gather from, and no backend serves a Mac's GPU."""
+    """This process's place: spawn's `rank` of `world_size`, torchrun's, or alone, in no group (mps works there)."""
     if rank is None and launcher_environment() is None:
         return single_process(device)
     return init_distributed_mode(device, rank=rank, world_size=world_size)
@@ -59,12 +49,10 @@ class ScoredBatch:
     readable: list[bool]
 
 
-def scored_batches(
-    trained: TrainedModel, loader, count: int, world_size: int, tta=False, tally: Tally | None = None, progress=None
-):
-    """On rank 0, the ScoredBatch of all `count` images in their order (why: docs/trained-models.md); the other ranks
-    score their shards (`loader`: val_shard's) for it and yield nothing. With `tally`, this process's batches are
-    counted in it too. A gathered batch travels to the host while the next one computes."""
+def scored_batches(trained: TrainedModel, loader, count: int, world_size: int, tta=False, tally: Tally | None = None,
+                   progress=None):  # fmt: skip
+    """On rank 0, the ScoredBatch of all `count` images in their order (docs/trained-models.md); the others score their
+    shards (val_shard's), yielding nothing; `tally` counts this process's. Each reaches the host as the next runs."""
     device, batch_size = trained.device, loader.batch_size
     steps = math.ceil(math.ceil(count / world_size) / batch_size)  # rank 0's batches: its shard is the longest
     batches, on_the_way = iter(loader), None
@@ -90,8 +78,7 @@ def scored_batches(
 
 
 def log_probabilities(trained: TrainedModel, images: torch.Tensor, tta: bool) -> torch.Tensor:
-    """A batch's class log-probabilities (float32, on the device) in the run's precision and layout; with `tta`,
-    those of the mean of each image's and its mirror image's probabilities."""
+    """A batch's class log-probabilities (float32, on the device); with `tta`, of its and its mirror's mean."""
     choice, device, model = trained.choice, trained.device, trained.model
     batch = choice.batch_to(images, device)  # 8-bit on the way, normalised on the device
     with choice.autocast(device):
@@ -104,14 +91,13 @@ def log_probabilities(trained: TrainedModel, images: torch.Tensor, tta: bool) ->
 
 
 def gathered_in_order(probabilities: torch.Tensor, readable: torch.Tensor, batch_size: int, world_size: int):
-    """On rank 0, every process's batch as rows of [probabilities, readable] in the order of the images
-    (scored_batches); None on the other ranks. Each is padded to batch_size rows: gather takes one size."""
+    """Rank 0: every batch as rows [probabilities, readable] in image order, each padded to batch_size; else None."""
     payload = torch.zeros(batch_size, probabilities.shape[1] + 1, device=probabilities.device)
     payload[: len(probabilities), :-1] = probabilities
     payload[: len(probabilities), -1] = readable
     if world_size == 1:
         return payload
-    parts = [torch.empty_like(payload) for _ in range(world_size)] if get_rank() == 0 else None
+    parts = [torch.empty_like(payload) for _ in range(world_size)] if dist.get_rank() == 0 else None
     dist.gather(payload, parts, dst=0)
     return None if parts is None else torch.stack(parts, dim=1).flatten(0, 1)  # j by j, rank by rank
 
@@ -122,8 +108,7 @@ def scored(start: int, on_the_way: ToHost) -> ScoredBatch:
 
 
 def rows_of(batch: ScoredBatch, images: list, labels: list[int], classes: list[str], topk: int) -> list[Row]:
-    """The results rows of a scored batch; an unreadable image is decoded again here, on rank 0, to say why (the
-    process whose shard it was only marked it)."""
+    """The results rows of a scored batch; an unreadable image is decoded again here, on rank 0, to say why."""
     top = batch.probabilities.topk(topk, dim=1)
     rows = []
     for offset, (values, indices) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True)):

@@ -1,6 +1,4 @@
-"""Loading a trained run's model for inference, as predict.py and evaluate.py do: its weights, and its
-class_indices.json and args.json found beside them or one folder up (a checkpoint.pth carries them itself).
-"""
+"""A trained run's model for predict.py and evaluate.py, with its class_indices.json and args.json (beside or above)."""
 
 import argparse
 from dataclasses import dataclass
@@ -38,16 +36,10 @@ class TrainedModel:
         return given if given is not None else getattr(self.run, name)
 
 
-def run_folder(weights: Path) -> Path:
-    return weights.parent.parent if weights.parent.name == "weights" else weights.parent
-
-
-def load_trained_model(
-    weights: Path, class_indices: Path | None, device: torch.device, architecture: str | None = None
-) -> TrainedModel:
-    """The network of a weights file (best.pth, last.pth, model-N.pth or checkpoint.pth) with its class names
-    (`class_indices`, else the run's, else the checkpoint's). The weights must fit `architecture` (default: the
-    run's --model) exactly, with one output per class name."""
+def load_trained_model(weights: Path, class_indices: Path | None, device: torch.device,
+                       architecture: str | None = None) -> TrainedModel:  # fmt: skip
+    """The network of a weights file (best.pth, last.pth, model-N.pth or checkpoint.pth), with class names from
+    `class_indices`, the run's or the checkpoint's; the weights must fit `architecture` (default: the run's --model)."""
     state_dict = read_state_dict(weights)
     indices_file = class_indices or run_file(weights, "class_indices.json")
     args_file = run_file(weights, "args.json")
@@ -81,17 +73,16 @@ def load_trained_model(
     model = create_model(len(classes), architecture)
     their_model = (run_args["model"], args_from) if isinstance(run_args.get("model"), str) else None
     fix = "leave out --model (the run's {theirs} is used), or give weights of a {model} run"
-    with (
-        of_their_model(weights, architecture, fix, their_model),
-        advice(f"{architecture} is {named_by} (--model NAME says which)"),
-    ):
+    with (of_their_model(weights, architecture, fix, their_model),
+          advice(f"{architecture} is {named_by} (--model NAME says which)")):  # fmt: skip
         load_weights(model, state_dict, strict=True, name=architecture, what=f"weights file {weights}")
     # As the run validated, for the same predictions; float32 NCHW for an unknown run, or one that recorded "auto"
     choice = Choice(run.amp if run.amp != "auto" else "off", bool(run.channels_last)) if run_args else Choice()
     model = model.to(device, memory_format=choice.memory_format).eval()
     if note is not None:  # (after the weights loaded: a refusal is one line)
         warn(note)
-    return TrainedModel(model, device, choice, classes, run, run_folder(weights))
+    folder = weights.parent.parent if weights.parent.name == "weights" else weights.parent
+    return TrainedModel(model, device, choice, classes, run, folder)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,7 +98,6 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_run_overrides(p: argparse.ArgumentParser) -> None:
-    """The flags that override what a run's files say."""
     p.add_argument("--model", help="the network the weights are for, torchvision's name or timm/NAME (default: the "
                    "run's, else resnet34)")  # fmt: skip
     p.add_argument("--class-indices", type=Path, help="class_indices.json (default: the run's, beside the weights or "
@@ -120,10 +110,8 @@ def image_loader(
     trained: TrainedModel, images: list, labels: list, shard=None, processes_here: int = 1, *,
     img_size: int | None = None, batch_size: int | None = None, workers: int | None = None,
 ) -> DataLoader:  # fmt: skip
-    """Batches of (images as the run validated them, labels) in the given order, or of `shard`'s alone, for one of
-    `processes_here` processes sharing the cores; the flags given override the run's (None: the run's)."""
-    img_size = trained.setting("img_size", img_size)
-    batch_size = trained.setting("batch_size", batch_size)
+    """Batches (images as the run validated them, labels) in order, or `shard`'s; the flags given override the run's."""
+    img_size, batch_size = trained.setting("img_size", img_size), trained.setting("batch_size", batch_size)
     workers = use_cores(trained.device, processes_here, batch_size, workers)  # as a training process has
     # ignore_stop_signals: a stop signal is for the process they load for to act on
     return DataLoader(MyDataSet(images, labels, val_transform(img_size)), batch_size=batch_size, sampler=shard,

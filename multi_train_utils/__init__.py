@@ -1,2 +1,1 @@
-"""What the training scripts share: the distributed helpers, the training and evaluation loops and their books, the
-checkpoint, saving in the background, stopping at a step and resuming (docs/code-map.md)."""
+"""What the training scripts share: DDP, the epoch's loops and books, checkpoints, stops, resumes (docs/code-map.md)."""

@@ -1,5 +1,4 @@
-"""What train_one_epoch and evaluate keep track of besides the step: an epoch's sums over every process, one step
-behind, with the unreadable-image, non-finite and stop checks; the progress bar; and evaluation's confusion matrix."""
+"""What train_one_epoch and evaluate track besides the step: sums over every rank checked a step behind, tallies."""
 
 import math
 import sys
@@ -36,7 +35,7 @@ class EpochBooks:
         self.stopping, self.pending, self.progress = None, None, None
 
     def steps(self):
-        """(step, batch) for each of the epoch's batches, from where a resumed epoch stopped."""
+        """(step, batch) from where a resumed epoch stopped."""
         start = 0 if self.midway is None else self.midway.step
         if self.midway is not None:
             self.data_loader.batch_sampler.start_at(start)  # a SeededBatchSampler's next pass starts there
@@ -63,30 +62,24 @@ class EpochBooks:
         return min(accumulate, batches - step // accumulate * accumulate)
 
     def check(self, step: int, loss_sum: torch.Tensor, read: int, images: int) -> None:
-        """Send this step's sums on their way (loss, images read and skipped, stop votes) and check the step before's;
-        before the epoch's last optimizer step, or one that stops, check this step's too."""
+        """Send this step's sums; check the last one's, and this one's before the last or a stopping optimizer step."""
         sent = StepTotals(loss_sum, [read, images - read, *stop_votes()], self.device)
         if self.pending is not None:
             self.add(self.pending)
         self.pending = sent
-        last_step = step + 1 == len(self.data_loader)
-        if self.last_of_group(step) and (self.stopping is not None or last_step):  # all checked before it steps
+        if self.last_of_group(step) and (self.stopping is not None or step + 1 == len(self.data_loader)):
             self.add(self.pending)
             self.pending = None
         # the mean as checked so far; drawn when the bar next redraws (tqdm's pace, not every step)
         self.progress.set_postfix(mean_loss=f"{self.totals[0] / max(self.totals[1], 1):.3f}", refresh=False)
 
     def add(self, sent: "StepTotals") -> None:
-        """Add a step's sums to the epoch's and keep the stop signal any rank received; a non-finite loss or more
-        than `max_skipped` skipped images stops every rank (all see the same sums)."""
+        """Add a step's sums and any stop signal; a non-finite loss or too many skipped images stop every rank alike."""
         step_totals = sent.get()
         if not math.isfinite(step_totals[0]):
-            raise NonFiniteLossError(
-                f"non-finite loss at epoch {self.epoch}: stopped, the last checkpoint is from before this epoch; "
-                "check the data"
-            )
-        for i in range(3):
-            self.totals[i] += step_totals[i]
+            raise NonFiniteLossError(f"non-finite loss at epoch {self.epoch}: stopped, the last checkpoint is from "
+                                     "before this epoch; check the data")  # fmt: skip
+        self.totals = [total + new for total, new in zip(self.totals, step_totals[:3], strict=True)]
         if self.max_skipped is not None and self.totals[2] > self.max_skipped:
             skipped, of_what = int(self.totals[2]), f"epoch {self.epoch}'s training images"
             raise UserError(too_many_skipped(skipped, self.max_skipped, of_what))
@@ -100,7 +93,6 @@ class EpochBooks:
             raise StopRequested(self.stopping, self.epoch, step + 1, self.totals, self.first_lr, seconds)
 
     def result(self) -> tuple[float, int]:
-        """(mean loss over every sample of every rank, images trained on by all ranks)."""
         total_loss, total_images, _ = self.totals
         return total_loss / max(total_images, 1), int(total_images)
 
@@ -111,8 +103,7 @@ def count_readable(labels: torch.Tensor) -> int:
 
 
 class StepTotals:
-    """A step's (loss sum, images read, images skipped, stop votes), summed over the ranks on their way to the host,
-    queued behind the step's work: `get` waits for them alone, never for the work queued after them."""
+    """A step's sums (loss, read, skipped, stop votes) over the ranks, to the host: `get` waits for them alone."""
 
     def __init__(self, loss_sum: torch.Tensor, counts: list, device: torch.device):
         counts = torch.tensor(counts, dtype=torch.float64).to(device, non_blocking=True)
@@ -154,8 +145,7 @@ class Tally:
         self.in_topk = torch.zeros((), dtype=torch.int64, device=device)
 
     def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """Count a batch without selecting its readable images (a mask or bincount would make the host wait): each
-        image adds 1, or 0 when skipped, at its (true, predicted) cell."""
+        """Count a batch: each image adds 1 (0 if skipped) at its cell; a mask or bincount would make the host wait."""
         read = (labels != SKIPPED).long()
         cells = labels.clamp(min=0) * self.num_classes + logits.argmax(dim=1)
         self.confusion.view(-1).index_add_(0, cells, read)
@@ -177,10 +167,8 @@ class Tally:
 def too_many_skipped(skipped: int, limit: int, of_what: str) -> str:
     if limit == 0:
         return f"an image of {of_what} could not be read (--strict-images): stopped; the warning above names it"
-    return (
-        f"{skipped} of {of_what} could not be read, more than the {limit} (1 %) a run skips: stopped; the "
-        "warnings above name them (the last checkpoint is from before this epoch)"
-    )
+    return (f"{skipped} of {of_what} could not be read, more than the {limit} (1 %) a run skips: stopped; the "
+            "warnings above name them (the last checkpoint is from before this epoch)")  # fmt: skip
 
 
 def unreadable_limits(train_images: int, val_images: int, strict: bool) -> tuple[int, int]:

@@ -1,6 +1,4 @@
-"""Saving and loading the full training state, so that a run killed at any moment continues where it stopped: only
-tensors and plain data (loading never runs code), written atomically (a crash leaves the previous checkpoint); an
-epoch's weights serialised once, in a file the checkpoint names and the other weights files link."""
+"""The training state saved atomically, tensors and plain data alone (loading runs no code): a killed run continues."""
 
 import os
 import shutil
@@ -24,9 +22,8 @@ CHECKPOINT_SHAPE = {
 
 
 def save_atomically(obj, path) -> None:
-    """torch.save to `path`, whole or not at all; OutputError if it cannot be written, `path` untouched."""
-    size = tensor_bytes(obj)  # the line a full disk ends in says it
-    write_atomically(path, lambda f: torch.save(obj, f), binary=True, size=size)
+    """torch.save to `path`, whole or not at all; OutputError if it cannot be written (on a full disk, its size)."""
+    write_atomically(path, lambda f: torch.save(obj, f), binary=True, size=tensor_bytes(obj))
 
 
 def tensor_bytes(obj) -> int:
@@ -39,20 +36,14 @@ def tensor_bytes(obj) -> int:
 
 
 def training_state(epoch, model, training, best_acc, classes, world_size, record: dict) -> dict:
-    """Everything needed to continue after `epoch` (`model` unwrapped, `record` as in args.json). No generator state:
-    each step draws from a seed of its own (EpochBooks.seed_random_draws), on any number of devices."""
+    """All needed to continue after `epoch` (`model` unwrapped); no generator state: each step seeds its own draws."""
     return {
-        "epoch": epoch,
-        "model": model.state_dict(),
-        "optimizer": training.optimizer.state_dict(),
+        "epoch": epoch, "model": model.state_dict(), "optimizer": training.optimizer.state_dict(),
         "scheduler": training.scheduler.state_dict(),
         "scaler": training.scaler.state_dict() if training.scaler is not None else None,
         "ema": training.ema.state_dict() if training.ema is not None else None,
-        "best_acc": best_acc,
-        "classes": list(classes),
-        "world_size": world_size,
-        "args": record,
-    }
+        "best_acc": best_acc, "classes": list(classes), "world_size": world_size, "args": record,
+    }  # fmt: skip
 
 
 def load_checkpoint(path) -> dict:
@@ -74,10 +65,9 @@ def start_anew(path) -> str:
 
 
 def restore(state: dict, model, training, path=None) -> tuple[int, float]:
-    """Put a checkpoint's state back; (the first epoch to train, the best validation accuracy so far). UserError if a
-    part does not fit. A checkpoint saved with the scaler off resumes with float16's: the scaler starts afresh."""
+    """Put a checkpoint's state back: (the first epoch to train, the best val accuracy); UserError if a part misfits."""
     parts = {"model": model, "optimizer": training.optimizer, "scheduler": training.scheduler}
-    if state.get("scaler") and training.scaler is not None:  # {}: saved with the scaler off
+    if state.get("scaler") and training.scaler is not None:  # {}: saved with the scaler off, float16's starts afresh
         parts["scaler"] = training.scaler
     if training.ema is not None:
         parts["ema"] = training.ema
@@ -90,17 +80,13 @@ def restore(state: dict, model, training, path=None) -> tuple[int, float]:
     return state["epoch"] + 1, state["best_acc"]
 
 
-# The checkpoint's parts whose weights an epoch keeps in files of their own, and the prefix their names lose there
-# (an EMA's names are its network's behind "module."), so that best.pth can be either file.
+# The parts whose weights an epoch keeps in files of their own, less a prefix: best.pth can be either file.
 SHARED = {"model": "", "ema": "module."}
 
 
 def save_epoch(output_dir: Path, epoch: int, state: dict, best: str | None = None, keep: bool = False) -> None:
-    """An epoch's files from its checkpoint's `state` (CPU tensors), each weight serialised once: the model's as
-    weights/last.pth, the EMA's as weights/.ema-N.pth; linked (link_or_copy) as weights/.model-N.pth, which the
-    checkpoint names and nothing replaces while it does, as model-N.pth if `keep`, and as best.pth from the part
-    `best` names ("model" or "ema") when it improved. Then the checkpoint, last, so that it never names a file not
-    yet written; then the files no checkpoint names any more (the last epoch's: best.pth may still link them)."""
+    """An epoch's files from its checkpoint's `state` (CPU tensors), each weight serialised once, then linked; then the
+    checkpoint, never naming a missing file; old files last (docs/performance.md, each weight written once)."""
     folder, state, named = output_dir / "weights", dict(state), {}
     for part, prefix in SHARED.items():
         if state.get(part) is None:
@@ -110,9 +96,8 @@ def save_epoch(output_dir: Path, epoch: int, state: dict, best: str | None = Non
             save_atomically(tensors, folder / "last.pth")
             link_or_copy(folder / "last.pth", named[part])
         else:
-            save_atomically(
-                {key.removeprefix(prefix): v for key, v in tensors.items() if key.startswith(prefix)}, named[part]
-            )
+            weights = {key.removeprefix(prefix): v for key, v in tensors.items() if key.startswith(prefix)}
+            save_atomically(weights, named[part])
         rest = {key: value for key, value in tensors.items() if not key.startswith(prefix)}  # the EMA's count
         state[part] = {WEIGHTS_FILE: f"weights/{named[part].name}", "prefix": prefix} | rest
     if keep:
@@ -126,8 +111,7 @@ def save_epoch(output_dir: Path, epoch: int, state: dict, best: str | None = Non
 
 
 def link_or_copy(source: Path, path: Path) -> None:
-    """Create or replace `path` with the file `source` atomically: a hard link, or a copy where the filesystem has
-    none (FAT, exFAT, some network filesystems refuse os.link: EPERM, EXDEV, ENOTSUP)."""
+    """`path` made the file `source` atomically: a hard link, or a copy where the filesystem has none (FAT, exFAT)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with writing(path):
         try:

@@ -1,5 +1,4 @@
-"""Distributed helpers: joining the process group, this process's place in it, rank queries, reductions, and each
-process's shard of the data. Each works in one process too (rank 0 of 1): shared code need not ask the launch mode."""
+"""DDP's helpers, each working in one process too (rank 0 of 1), so that shared code need not ask the launch mode."""
 
 import argparse
 import contextlib
@@ -53,7 +52,6 @@ def print_once(*message) -> None:
 
 
 def warn_once(message: str) -> None:
-    """warn (one line on stderr), on the main process alone."""
     if is_main_process():
         warn(message)
 
@@ -93,8 +91,6 @@ def launcher_environment() -> dict | None:
 
 @dataclass(frozen=True)
 class Process:
-    """This process's place in the job, its device, and whether it is in a process group."""
-
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -111,32 +107,23 @@ def single_process(device: str | None = None) -> Process:
 
 
 def use_device(device: torch.device) -> None:
-    """Make `device` this process's: a GPU becomes the current one (its default streams and generator, no context on
-    GPU 0), and cuDNN times its algorithms once per input shape (the batches have one or two shapes)."""
+    """A GPU made the current one (its streams and generator; no context on GPU 0), cuDNN timing each input shape."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
 
 
 def init_distributed_mode(
-    device: str | None = None,
-    backend: str | None = None,
-    dist_url: str = "env://",
-    timeout_s: int = 1800,
-    rank: int | None = None,
-    world_size: int | None = None,
-) -> Process:
-    """Join the process group as spawn's `rank` of `world_size`, a launcher's, or a group of one on a free local port;
-    on a Mac's GPU (mps), which no backend serves, on the CPU."""
-    if rank is not None:
-        found = {"rank": rank, "world_size": world_size, "local_rank": rank, "local_world_size": world_size}
-    else:
-        found = launcher_environment()
-    local_rank = None if found is None else found["local_rank"]  # a group of one: the device named, as it is
-    if found is None:
-        found = {"rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1}
+    device: str | None = None, backend: str | None = None, dist_url: str = "env://", timeout_s: int = 1800,
+    rank: int | None = None, world_size: int | None = None,
+) -> Process:  # fmt: skip
+    """Join the group as spawn's `rank` of `world_size`, a launcher's, or alone on a free port; on mps, on the CPU."""
+    spawned = {"rank": rank, "world_size": world_size, "local_rank": rank, "local_world_size": world_size}
+    found = launcher_environment() if rank is None else spawned
+    if found is None:  # a group of one: the device named, as it is
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
-    process_device = resolve_device(device, local_rank=local_rank)
+    process_device = resolve_device(device, local_rank=None if found is None else found["local_rank"])
+    found = found or {"rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1}
     if process_device.type == "mps":
         if found["rank"] == 0:
             print(MPS_IN_DDP, flush=True)
@@ -148,22 +135,16 @@ def init_distributed_mode(
         backend = "nccl" if process.device.type == "cuda" and dist.is_nccl_available() else "gloo"
     store = restart_safe_store(dist_url, process, timeout := timedelta(seconds=timeout_s))
     dist.init_process_group(
-        backend=backend,
-        init_method=None if store else dist_url,
-        store=store,
-        world_size=process.world_size,
-        rank=process.rank,
-        timeout=timeout,
+        backend=backend, init_method=None if store else dist_url, store=store, world_size=process.world_size,
+        rank=process.rank, timeout=timeout,
         # the GPU this process binds to: init_process_group documents device_id for NCCL alone
         **({"device_id": process.device} if backend == "nccl" and process.device.type == "cuda" else {}),
-    )
+    )  # fmt: skip
     return process
 
 
-MPS_IN_DDP = (
-    "DDP on a Mac: no torch.distributed backend takes tensors on its GPU (mps), so each process trains on the "
-    "CPU, with gloo (for mps, use train_single_gpu.py)"
-)
+MPS_IN_DDP = ("DDP on a Mac: no torch.distributed backend takes tensors on its GPU (mps), so each process trains "
+              "on the CPU, with gloo (for mps, use train_single_gpu.py)")  # fmt: skip
 
 
 def check_backend(asked: str | None) -> None:
@@ -182,8 +163,7 @@ START = "flowers/start"  # the key, in torchrun's store, that names the latest s
 
 
 def restart_safe_store(dist_url: str, process: Process, timeout: timedelta):
-    """Under torchrun, its store in a namespace of this start's, so restarted processes never wait for their dead
-    predecessors (docs/resuming-and-failures.md, one worker dies); None where init_process_group builds one."""
+    """torchrun's store, in this start's namespace (docs/resuming-and-failures.md, one worker dies); else None."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist_url != "env://":
         return None
     host, port = os.environ["MASTER_ADDR"], environment_number("MASTER_PORT", os.environ["MASTER_PORT"], 1, 65535)
@@ -228,11 +208,9 @@ def resolve_device(name: str | None, local_rank: int | None = None) -> torch.dev
         raise UserError(f"unknown device {name!r}: use cpu, cuda, cuda:N or mps") from None
     if device.type == "cpu":
         return device
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name} asked for a Mac's GPU (Metal) but torch finds none here; use --device cpu")
     if device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise UserError(
-                f"--device {name} asked for a Mac's GPU (Metal) but torch finds none here; use --device cpu"
-            )
         return torch.device("mps")
     if device.type != "cuda":
         raise UserError(f"device {name!r} is not supported here: use cpu, cuda, cuda:N or mps")
@@ -240,10 +218,8 @@ def resolve_device(name: str | None, local_rank: int | None = None) -> torch.dev
     if count == 0:
         raise UserError(f"--device {name} asked for a GPU but no CUDA GPU is visible; use --device cpu")
     if local_rank is not None and device.index is not None:
-        raise UserError(
-            "in DDP each process takes the GPU of its local rank: "
-            "use --device cuda and choose GPUs with CUDA_VISIBLE_DEVICES"
-        )
+        raise UserError("in DDP each process takes the GPU of its local rank: use --device cuda and choose GPUs "
+                        "with CUDA_VISIBLE_DEVICES")  # fmt: skip
     index = (device.index or 0) if local_rank is None else local_rank
     if index >= count:
         raise UserError(f"GPU {index} asked for but only {count} visible (CUDA_VISIBLE_DEVICES chooses which)")
@@ -268,8 +244,7 @@ def reduce_value(value: torch.Tensor, average: bool = True) -> torch.Tensor:
 
 
 def all_reduce_in_background(value: torch.Tensor):
-    """Start summing `value` in place over all processes; the handle (on a GPU with NCCL, its wait() makes only the
-    device wait), or None in a single process."""
+    """Start summing `value` in place over all processes: the handle (NCCL's wait() makes the device wait), or None."""
     return dist.all_reduce(value, async_op=True) if get_world_size() > 1 else None
 
 
@@ -283,8 +258,7 @@ def broadcast_object(obj):
 
 
 def on_main_process(function, *args) -> None:
-    """function(*args) on rank 0 alone, the others waiting; a UserError it raises is raised on every rank, so that
-    all stop together instead of waiting for rank 0 until the collective timeout."""
+    """function(*args) on rank 0 alone, the others waiting; its UserError raised on every rank, so that all stop."""
     message = None
     if is_main_process():
         try:

@@ -1,5 +1,4 @@
-"""Saving that does not stop training: an epoch's files, copied to host memory, written by a background thread while
-the next epoch trains, one epoch at a time, as promised (docs/resuming-and-failures.md, Saving in the background)."""
+"""An epoch's files written by a thread as the next trains (docs/resuming-and-failures.md, Saving in the background)."""
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -9,48 +8,38 @@ from torch.utils._pytree import tree_map
 
 
 class EpochWriter:
-    """One background thread that writes epochs' files, one epoch at a time, in the order they were handed over."""
-
     def __init__(self):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoch-writer")
         self.pending: tuple[Future, Callable | None] | None = None
 
     def write(self, job: Callable[[], None], after: Callable[[], None] | None = None) -> None:
-        """Run job() in the background once the last epoch's write is done; `after`, once it is on disk, in the
-        caller's thread at the next wait()."""
+        """Run job() in the background after the last write; `after`, once on disk, in this thread at next wait()."""
         self.wait()
         self.pending = self.pool.submit(job), after
 
     def wait(self) -> None:
         """Until the write in flight is on disk; then its `after`. Raises the write's own error, once."""
-        if self.pending is None:
-            return
-        future, after = self.pending
-        self.pending = None
-        future.result()
-        if after is not None:
-            after()
+        if self.pending is not None:
+            (future, after), self.pending = self.pending, None
+            future.result()
+            if after is not None:
+                after()
 
 
 def on_host(tree):
-    """(`tree` with every tensor copied to host memory as it is now, each once; a function that waits until the
-    copies have arrived): from a GPU, copies queued on its stream, so the caller waits for none of them."""
-    cuda, copies = [], {}
+    """(`tree`, each tensor copied to the host once as it is now, queued on GPUs; a function waiting for the copies)."""
+    copies = {}
 
     def copy(value):
         if not isinstance(value, torch.Tensor):
             return value
         if id(value) not in copies:
-            if value.is_cuda:
-                cuda.append(value.device)
-                copies[id(value)] = value, value.detach().to("cpu", non_blocking=True)
-            else:
-                copies[id(value)] = value, value.detach().clone()
+            host = value.detach().to("cpu", non_blocking=True) if value.is_cuda else value.detach().clone()
+            copies[id(value)] = value, host
         return copies[id(value)][1]  # (the original is kept beside it: its id stays its own meanwhile)
 
-    copied = tree_map(copy, tree)
-    events = []
-    for device in dict.fromkeys(cuda):  # one event per GPU, after its copies
+    copied, events = tree_map(copy, tree), []
+    for device in dict.fromkeys(value.device for value, _ in copies.values() if value.is_cuda):  # after its copies
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         events.append(event)

@@ -1,5 +1,4 @@
-"""What fits in the device's memory: the largest micro-batch a pass can take, found by trying (`--micro-batch auto`),
-and the one line an out-of-memory error during training ends in (docs/recipes.md, micro-batches that fit)."""
+"""The largest micro-batch that fits (--micro-batch auto); running out of memory in one line (docs/recipes.md)."""
 
 import contextlib
 
@@ -52,8 +51,7 @@ def pass_fits(model, choice, images: torch.Tensor, reserve: int = 0, train: bool
 
 @contextlib.contextmanager
 def out_of_memory(training, images: torch.Tensor):
-    """A training pass over `images`; out of memory, OutOfMemory in one line naming the micro-batch it tried and the
-    largest that fits now, measured on the same images, instead of the allocator's traceback."""
+    """A training pass; out of memory, OutOfMemory naming the micro-batch it tried and the largest that fits now."""
     try:
         yield
         return
@@ -64,9 +62,7 @@ def out_of_memory(training, images: torch.Tensor):
     if images.device.type == "cuda":
         torch.cuda.empty_cache()
     fitting = largest_that_fits(lambda m: pass_fits(network, training.choice, images[:m]), size - 1) if size > 1 else 0
-    advice = (
-        f"--micro-batch {fitting} fits now (or --micro-batch auto measures at the start)"
-        if fitting
-        else "not even one image fits: --grad-checkpointing or another --device (a smaller --img-size is a new run)"
-    )
+    advice = "not even one image fits: --grad-checkpointing or another --device (a smaller --img-size is a new run)"
+    if fitting:
+        advice = f"--micro-batch {fitting} fits now (or --micro-batch auto measures at the start)"
     raise OutOfMemory(f"out of memory on {images.device} training micro-batches of {size} images: {advice}")

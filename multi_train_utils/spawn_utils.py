@@ -1,6 +1,6 @@
-"""The hardening behind train_multi_gpu_using_spawn.py: a free port for the group to meet on, a traceback from
-every failing worker, and no worker left running when the job ends, whichever way it ends."""
+"""train_multi_gpu_using_spawn.py's hardening: a free port, each failing worker's traceback, no worker left running."""
 
+import contextlib
 import functools
 import os
 import signal
@@ -26,12 +26,10 @@ def spawn_world_size(requested: int | None, device: str | None) -> int:
 
 
 def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock, contextlib.suppress(OSError):
+        sock.bind(("127.0.0.1", port))
+        return True
+    return False
 
 
 def choose_meeting_point() -> str:
@@ -46,8 +44,7 @@ def choose_meeting_point() -> str:
 
 
 def report_failures(worker):
-    """Decorate a spawned worker: on a bug, print its traceback with its rank and exit 1 (spawn reports only the
-    first failure it notices, often a peer's "connection closed"); UserErrors pass."""
+    """A spawned worker that, on a bug, prints its traceback and rank (spawn shows one failure only) and exits 1."""
 
     @functools.wraps(worker)
     def wrapper(rank, *args):

@@ -1,5 +1,4 @@
-"""Stopping at a step every process agrees on, saved, on SIGTERM or SIGUSR1; and resuming from a checkpoint, an
-epoch's or such a step's, exactly (docs/resuming-and-failures.md, Stopped at a step)."""
+"""Stopping at a step all ranks agree on, saved; resuming exactly (docs/resuming-and-failures.md, Stopped at a step)."""
 
 import contextlib
 import signal
@@ -25,8 +24,7 @@ class Midway:
     @classmethod
     def of(cls, state: dict) -> "Midway | None":
         """A checkpoint's; None if it stopped at an epoch's end. One saved before the seconds were kept counts none."""
-        midway = state.get("midway")
-        if midway is None:
+        if (midway := state.get("midway")) is None:
             return None
         return cls(midway["step"], midway["totals"], midway["lr"], midway.get("seconds", 0.0))
 
@@ -40,17 +38,13 @@ class StopRequested(Exception):
         self.seconds = seconds
 
     def midway(self) -> dict:
-        """What a checkpoint keeps of the stop ("midway")."""
         return {"step": self.step, "totals": self.totals, "lr": self.lr, "seconds": self.seconds}
 
 
 @contextlib.contextmanager
 def stop_signals_noted():
-    """Inside, SIGTERM and SIGUSR1 are noted for train_one_epoch instead of ending the process. Call it in the main
-    thread (Python runs signal handlers there only)."""
-    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda received, frame: noted.append(received))
+    """Inside, SIGTERM and SIGUSR1 are noted for train_one_epoch, not ending the process; in the main thread alone."""
+    before = {signum: signal.signal(signum, lambda received, frame: noted.append(received)) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -71,8 +65,7 @@ def agreed_signal(votes) -> int | None:
 
 @contextlib.contextmanager
 def saving_a_step_on_stop(log, model, training):
-    """Inside, a stop signal ends the run at a step every rank agrees on: rank 0 saves it as the checkpoint (`log`, a
-    run_log.RunLog, says where) while the others wait, and every process exits with status 128 + the signal."""
+    """Inside, a stop signal ends the run at a step all ranks agree on, rank 0 saving it; all exit with 128 + signal."""
     with stop_signals_noted(), log.ending():
         try:
             yield
@@ -101,7 +94,6 @@ def resume_from(checkpoint: Path | None, model, training, epochs: int) -> tuple[
     start_epoch, best_acc = restore(state, model, training, checkpoint)
     training.midway = Midway.of(state)
     at_step = f", step {training.midway.step}" if training.midway is not None else ""
-    print_once(
-        f"Resuming from {checkpoint}: epoch {start_epoch}{at_step} of {epochs}, best val acc so far {best_acc:.3f}"
-    )
+    print_once(f"Resuming from {checkpoint}: epoch {start_epoch}{at_step} of {epochs}, "
+               f"best val acc so far {best_acc:.3f}")  # fmt: skip
     return start_epoch, best_acc

@@ -1,6 +1,5 @@
-"""SyncBatchNorm for every device: BatchNorm whose statistics cover the global batch, from torch's fused kernels with
-one small all-reduce per layer each way and nothing read on the host. torch's nn.SyncBatchNorm runs on GPUs alone,
-and there makes the host wait in every layer (docs/guarantees.md, SyncBatchNorm)."""
+"""SyncBatchNorm for every device: torch's fused kernels, one small all-reduce per layer each way, nothing read on the
+host (torch's nn.SyncBatchNorm runs on GPUs alone, waiting in every layer: docs/guarantees.md, SyncBatchNorm)."""
 
 import itertools
 

@@ -1,5 +1,4 @@
-"""One training epoch and one evaluation pass, the same for one process and for DDP: the step as the textbook takes
-it, its books behind a few calls of bookkeeping.py; and how they compute (Choice), as auto chose it."""
+"""One training epoch and one evaluation pass, the same for one process and for DDP, and how they compute (Choice)."""
 
 import contextlib
 import time
@@ -19,15 +18,14 @@ AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --a
 
 @dataclass(frozen=True)
 class Choice:
-    """How a run trains where the flags leave it to auto (autotune/choose.py decides it once, for every rank);
-    micro_batch None: the whole batch; threads None: torch's."""
+    """How a run trains where the flags leave it to auto (autotune/choose.py decides it once, for every rank)."""
 
     amp: str = "off"
     channels_last: bool = False
-    micro_batch: int | None = None
+    micro_batch: int | None = None  # None: the whole batch
     batches: str = "loader"  # made by the loader, or on the device: "device" (images held there), "stream"
     workers: int = 0
-    threads: int | None = None
+    threads: int | None = None  # None: torch's
     lines: tuple[str, ...] = field(default=(), compare=False)  # what the run prints about it
 
     @property

@@ -2,6 +2,7 @@
 
 import difflib
 import functools
+import re
 
 import torch
 import torchvision
@@ -11,7 +12,7 @@ from torchvision.models import get_model, list_models
 
 from utils import UserError
 
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # added to parameter names by DataParallel/DDP and torch.compile
+WRAPPERS = re.compile(r"^(module\.|_orig_mod\.)+")  # the prefixes DataParallel/DDP and torch.compile add to names
 DEFAULT_MODEL = "resnet34"
 # Models with an auxiliary classifier (a tuple out in training) are built without it; its ImageNet tensors ignored.
 BUILD_OPTIONS = {name: {"aux_logits": False, "init_weights": True} for name in ("googlenet", "inception_v3")}
@@ -34,10 +35,8 @@ def unknown_model(name: str) -> str | None:
     if name in model_names():
         return None
     if not is_timm(name):
-        return (
-            f"{name} is not a torchvision classification model (choose from {', '.join(model_names())}) "
-            f"nor {TIMM}NAME, one of timm's"
-        )
+        return (f"{name} is not a torchvision classification model (choose from {', '.join(model_names())}) "
+                f"nor {TIMM}NAME, one of timm's")  # fmt: skip
     import timm  # here: only timm's models need it (0.4 s more at start-up)
     from timm.models import get_arch_pretrained_cfgs
 
@@ -100,7 +99,6 @@ def layer_kinds(name: str, which) -> tuple[str, ...]:
 
 
 def freeze_all_but_head(model: nn.Module, name: str = DEFAULT_MODEL) -> None:
-    """Train only the classifier head (transfer learning from pretrained features)."""
     head = head_names(name)
     for key, parameter in model.named_parameters():
         parameter.requires_grad_(key in head)

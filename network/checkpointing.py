@@ -24,8 +24,7 @@ BLOCK_SEQUENCES = {
 
 
 def enable_grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
-    """Make `model` recompute each block's activations in the backward pass, with the plain model's gradients;
-    BatchNorm's statistics frozen until the backward pass ends, so not updated twice (pytorch/pytorch#96136)."""
+    """`model` recomputing each block in the backward pass: same gradients, BatchNorm updated once (docs/recipes.md)."""
     if is_timm(name):
         from timm.layers import set_reentrant_ckpt
 
@@ -33,17 +32,13 @@ def enable_grad_checkpointing(model: nn.Module, name: str) -> nn.Module:
         try:
             model.set_grad_checkpointing(True)
         except (AssertionError, NotImplementedError, AttributeError) as refusal:
-            raise UserError(
-                f"--grad-checkpointing: timm's {name.removeprefix(TIMM)} does not support it ({refusal})"
-            ) from None
+            raise UserError(f"--grad-checkpointing: timm's {name.removeprefix(TIMM)} does not support it "
+                            f"({refusal})") from None  # fmt: skip
     else:
         paths = BLOCK_SEQUENCES.get(type(model).__name__)
         if paths is None:
-            known = ", ".join(sorted(BLOCK_SEQUENCES))
-            raise UserError(
-                f"--grad-checkpointing: {name}'s blocks are not known here (they are for torchvision's {known}, "
-                f"and for timm's models)"
-            )
+            raise UserError(f"--grad-checkpointing: {name}'s blocks are not known here (they are for torchvision's "
+                            f"{', '.join(sorted(BLOCK_SEQUENCES))}, and for timm's models)")  # fmt: skip
         for path in paths:
             checkpoint_blocks(model.get_submodule(path))
     model.register_forward_hook(running_statistics_off)

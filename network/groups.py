@@ -31,10 +31,8 @@ def layer_scales(model: nn.Module, name: str, layer_decay: float) -> dict[str, f
         return {key: scale_of.get(id(parameter), 1.0) for key, parameter in model.named_parameters()}
     layers = LAYERS.get(type(model).__name__)
     if layers is None:
-        raise UserError(
-            f"--layer-decay: the order of {name}'s layers is not known here (it is for torchvision's "
-            f"{', '.join(sorted(LAYERS))}, and for timm's models)"
-        )
+        raise UserError(f"--layer-decay: the order of {name}'s layers is not known here (it is for torchvision's "
+                        f"{', '.join(sorted(LAYERS))}, and for timm's models)")  # fmt: skip
     prefixes = []  # each layer's prefixes, from the input
     for layer in layers:
         if layer.endswith(".*"):

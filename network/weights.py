@@ -13,7 +13,7 @@ from filelock import FileLock
 from torch import nn
 from torchvision.models import get_model_weights
 
-from network.architectures import DEFAULT_MODEL, IMAGENET, TIMM, WRAPPER_PREFIXES, check_model_name, head_names, is_timm
+from network.architectures import DEFAULT_MODEL, IMAGENET, TIMM, WRAPPERS, check_model_name, head_names, is_timm
 from read_back import followed, safe_load
 from utils import UserError
 
@@ -78,10 +78,8 @@ def timm_weights_file(name: str) -> Path:
         return Path(hf_hub_download(**where))
     except (OSError, HTTPError) as error:  # no network, HF_HUB_OFFLINE, a timeout, a missing file
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise UserError(
-            f"cannot download timm's pretrained weights for {name} (no network? {reason}): fetch {url} and give "
-            "it as --weights FILE"
-        ) from None
+        raise UserError(f"cannot download timm's pretrained weights for {name} (no network? {reason}): fetch {url} "
+                        "and give it as --weights FILE") from None  # fmt: skip
 
 
 @dataclass
@@ -93,11 +91,9 @@ class LoadReport:
 
     def summary(self) -> str:
         parts = [f"loaded {len(self.loaded)} tensors"]
-        for label, names in (
-            ("skipped for a different shape", self.skipped_shape),
-            ("missing from the file (left as initialised)", self.missing),
-            ("in the file but not in the model (ignored)", self.unexpected),
-        ):
+        for label, names in (("skipped for a different shape", self.skipped_shape),
+                             ("missing from the file (left as initialised)", self.missing),
+                             ("in the file but not in the model (ignored)", self.unexpected)):  # fmt: skip
             if names:
                 shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
                 parts.append(f"{len(names)} {label}: {shown}")
@@ -113,22 +109,15 @@ def read_state_dict(path) -> dict:
             break
     if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise UserError(f"weights file {path} does not hold a state dict (a mapping of names to tensors)")
-    unwrapped = {}
-    for name, tensor in data.items():
-        while name.startswith(WRAPPER_PREFIXES):
-            name = name.split(".", 1)[1]
-        unwrapped[name] = tensor
-    return unwrapped
+    return {WRAPPERS.sub("", name): tensor for name, tensor in data.items()}
 
 
-def load_weights(
-    model: nn.Module, source, strict: bool = False, name: str = DEFAULT_MODEL, what: str | None = None
-) -> LoadReport:
+def load_weights(model: nn.Module, source, strict: bool = False, name: str = DEFAULT_MODEL,
+                 what: str | None = None) -> LoadReport:  # fmt: skip
     """Load a weights file (or a state dict read from one: `what` names it) into `model`. Lenient (--weights): a head
     of another shape is left as initialised, any other misfit refused. Strict (a run's own weights): all must fit."""
     state_dict = source if isinstance(source, dict) else read_state_dict(source)
-    own = model.state_dict()
-    report = LoadReport()
+    own, report = model.state_dict(), LoadReport()
     for key, tensor in state_dict.items():
         if key not in own:
             report.unexpected.append(key)
@@ -147,10 +136,9 @@ def load_weights(
         head, unloaded = head_names(name), report.missing + report.skipped_shape
         misfits = [key for key in unloaded if key not in head and not key.endswith("num_batches_tracked")]
     if misfits:
-        raise UserError(
-            f"{what} does not fit {name}: {len(misfits)} tensors missing, extra or of another shape "
-            f"({', '.join(misfits[:3])}{', ...' if len(misfits) > 3 else ''}); is it for another architecture?"
-        )
+        raise UserError(f"{what} does not fit {name}: {len(misfits)} tensors missing, extra or of another shape "
+                        f"({', '.join(misfits[:3])}{', ...' if len(misfits) > 3 else ''}); is it for another "
+                        "architecture?")  # fmt: skip
     model.load_state_dict({key: state_dict[key] for key in report.loaded}, strict=strict)
     return report
 

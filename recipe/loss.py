@@ -1,5 +1,4 @@
-"""What a training step minimises: cross-entropy against soft targets, with label smoothing, class weights, and
-torchvision's mixup and cutmix (v2.MixUp, v2.CutMix) drawn from a seed of the step's own."""
+"""What a step minimises: cross-entropy against soft targets (label smoothing, class weights, mixup and cutmix)."""
 
 import functools
 import math
@@ -24,8 +23,7 @@ def balanced_class_weights(labels: list[int], num_classes: int) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class Objective:
-    """Cross-entropy against smoothed, mixed, class-weighted targets; an unreadable image (SKIPPED) adds nothing.
-    Mixing is drawn in the training process from the step's seed alone: the same whatever the loader workers."""
+    """Cross-entropy on smoothed, mixed (by the step's seed), class-weighted targets; SKIPPED images add nothing."""
 
     label_smoothing: float = 0.0
     class_weights: torch.Tensor | None = None
@@ -44,7 +42,7 @@ class Objective:
         i) that `loss_sum` applies to the targets; (images, None) without mixup or cutmix."""
         if self.mixer is None:
             return images, None
-        images = normalise(images)  # the network's inputs are mixed (as Compute.batch_to gives them, unchanged)
+        images = normalise(images)  # the network's inputs are mixed (as Choice.batch_to gives them, unchanged)
         with torch.random.fork_rng(devices=[]):  # the draw leaves the training's own random stream alone
             torch.default_generator.manual_seed(sample_seed(self.seed, epoch, step))
             return self.mixer(images, torch.eye(len(images), device=images.device))  # the identity, mixed: the matrix
@@ -70,7 +68,6 @@ class Objective:
         return smoothed if mixing is None else mixing.to(dtype) @ smoothed
 
     def loss_sum(self, outputs: torch.Tensor, labels: torch.Tensor, mixing: torch.Tensor | None = None):
-        """The sum over the batch of each image's loss."""
         # in float32 at least: autocast's bfloat16 or float16 logits would round the loss
         log_p = F.log_softmax(outputs, dim=1, dtype=torch.promote_types(outputs.dtype, torch.float32))
         targets = self.targets(labels, outputs.shape[1], mixing, log_p.dtype)
@@ -86,7 +83,6 @@ def class_weights(config, split) -> torch.Tensor | None:
 
 
 def describe_class_weights(config, split) -> str | None:
-    """The line a run prints about its class weights; None without."""
     weights = class_weights(config, split)
     if weights is None:
         return None

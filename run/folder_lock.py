@@ -22,10 +22,8 @@ def hold_run_folder(folder: Path) -> None:
     try:
         lock.acquire()
     except Timeout:
-        raise UserError(
-            f"{folder} is in use by another run (which holds {folder / RUN_LOCK}): wait for that run to end, or "
-            "choose another --output-dir"
-        ) from None
+        raise UserError(f"{folder} is in use by another run (which holds {folder / RUN_LOCK}): wait for that run to "
+                        "end, or choose another --output-dir") from None  # fmt: skip
     except OSError as error:  # a lock file that is a folder, or that this user may not open
         raise UserError(
             f"cannot take the lock {folder / RUN_LOCK}: {error.strerror or error} (a run's lock is a file this user "

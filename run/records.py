@@ -12,9 +12,8 @@ from utils import UserError
 
 def run_file(weights: Path, name: str) -> Path | None:
     """A file the run wrote, found beside the weights (checkpoint.pth) or one folder up (weights/best.pth)."""
-    return next(
-        (folder / name for folder in (weights.parent, weights.parent.parent) if (folder / name).is_file()), None
-    )
+    folders = (weights.parent, weights.parent.parent)
+    return next((folder / name for folder in folders if (folder / name).is_file()), None)
 
 
 def recorded_model(weights: Path) -> tuple[str, str] | None:
@@ -39,10 +38,8 @@ def of_their_model(weights: Path, model: str, fix: str, recorded: tuple[str, str
         theirs, where = recorded or recorded_model(weights) or (model, None)
         if theirs == model:
             raise
-        raise UserError(
-            f"weights file {weights} holds {theirs}'s weights ({where} says --model {theirs}), which do not fit "
-            f"{model} (--model): " + fix.format(theirs=theirs, model=model)
-        ) from None
+        raise UserError(f"weights file {weights} holds {theirs}'s weights ({where} says --model {theirs}), which do "
+                        f"not fit {model} (--model): " + fix.format(theirs=theirs, model=model)) from None  # fmt: skip
 
 
 def record_beside(weights: Path, args_file: Path | None, checkpoint: dict) -> tuple[dict, str, str | None]:
