@@ -1,8 +1,7 @@
 """Measure training speed: the model and the loader alone, then each launch script end to end.
 
 Each row runs in fresh processes, after auto's run (the rows without a script compute as it chose); benchmark.json
-is rewritten after every row. docs/performance.md ("The benchmark") says what each row measures.
-"""
+is rewritten after every row. docs/performance.md ("The benchmark") says what each row measures."""
 
 import argparse
 import datetime
@@ -33,7 +32,6 @@ from tools.script_rows import FIXED  # noqa: E402
 from tools.startup_benchmark import image_counts, startup_benchmark  # noqa: E402
 from utils import Parser, UserError, check_writable, entry_point, number, positive_int, write_json  # noqa: E402
 
-FLOWER_PHOTOS_SIZE = (320, 240)
 # benchmark.json's "kind" of row, in the order of the table
 KINDS = ("model-only", "compile", "loader", "peer", "timm", "profile", "baseline", "fixed", "auto", "later", "paths",
          "torchrun", "spawn", "demo", "predict")  # fmt: skip
@@ -49,14 +47,11 @@ def parse_args(argv=None):
     p.add_argument("--model", type=model_name, default=Config.default("model"), help="the network every row trains")
     p.add_argument("--batch-size", type=positive_int, default=Config.default("batch_size"), help="a process's batch")
     p.add_argument("--data-path", type=Path, help="a class-per-folder dataset (default: generated 320x240 JPEGs)")
-    p.add_argument("--images-per-class", type=number(int, 10), default=60, help="the generated dataset's size")
     p.add_argument("--epochs", type=number(int, 2), default=3, help="epochs per run; the first is not averaged")
     p.add_argument("--steps", type=positive_int, default=20, help="timed steps of the model-only rows")
     p.add_argument("--loader-images", type=positive_int, default=512, help="timed images of the loader rows")
     p.add_argument("--profile-steps", type=positive_int, default=10, help="steps traced, of the second epoch")
     p.add_argument("--nprocs", type=positive_int, help="DDP processes (default: GPUs visible, or 2 on the CPU)")
-    p.add_argument("--amp", choices=["auto", "off", "bf16", "fp16"], default="auto", help="the auto rows' precision")
-    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, help="their NHWC layout (default: auto)")
     p.add_argument("--fixed", type=names_of(FIXED, "none"), help="configurations beside auto, comma-separated, of "
                    f"{', '.join(FIXED)} or none (default: float32's, and bf16's where bfloat16 is native)")  # fmt: skip
     p.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible)")
@@ -100,7 +95,6 @@ def main(argv=None):
     gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if args.device.startswith("cuda") else None
     machine = f"{describe_cpu()}; {gpus or 'no GPU used'}"
     print(f"Machine: {machine}")
-    # the scripts' split, unreadable images left out, and their image store as a run finds or builds it
     stored = StoredImages(store_folder(None), decode_sides(args.img_size), None, fallback=unreadable_images)
     split = read_split_data(args.data_path, verify_images=stored)
     print(stored.line)
@@ -108,28 +102,20 @@ def main(argv=None):
         raise UserError(f"{args.data_path}: {len(split.train_images)} training images, fewer than a batch of "
                         f"{args.batch_size}")  # fmt: skip
     auto, choice = script_rows.auto_run(args)  # first: the rows below compute as it chose
-    print(
-        f"auto chose {described(choice)}, {worker_phrase(choice.workers)}; measuring took {auto['measure_seconds']} s"
-    )
-    peaks, flops = peaks_and_flops(args, choice)
-    settings = {"nprocs": nprocs, "precision": described(choice), "channels_last": choice.channels_last,
-                "workers": choice.workers, "peak_flops": peaks, "training_flops_per_image": flops}  # fmt: skip
-    benchmark, results = new_benchmark(args, machine, settings), args.output_dir / "benchmark.json"
+    print(f"auto chose {described(choice)}, {worker_phrase(choice.workers)}; measuring took "
+          f"{auto['measure_seconds']} s")  # fmt: skip
+    benchmark, results = new_benchmark(args, machine, nprocs, choice), args.output_dir / "benchmark.json"
+    peaks, flops = benchmark["settings"]["peak_flops"], benchmark["settings"]["training_flops_per_image"]
     print(f"\nRows as they are measured (of {', '.join(args.rows)}), each written to {results} at once:")
     print(TABLE_HEADER, flush=True)
     where = "batches made on the device" if choice.on_device else "batches by the loader"
     record(benchmark, trained_row(f"train_single_gpu.py, auto ({where})", "auto", 1, choice, auto, peaks, flops),
            results)  # fmt: skip
     config = parse_config(SINGLE, "", [*script_rows.settings_flags(args), "--device", args.device])
+    plan = Plan(args.data_path, split, args.output_dir, store=stored.path)
     measured_rows = itertools.chain(  # each a generator: a row is measured only when the one before is recorded
-        fresh_rows.model_rows(args, config, choice, peaks, flops),
-        fresh_rows.loader_rows(
-            args, config, Plan(args.data_path, split, args.output_dir, store=stored.path), choice.workers
-        ),
-        fresh_rows.peer_rows(args, config, choice, split, peaks, flops),
+        fresh_rows.fresh_rows(args, config, plan, choice, peaks, flops),
         script_rows.timm_rows(args, choice, split, peaks, flops),
-        script_rows.later_rows(args, peaks, flops),
-        script_rows.profile_rows(args, choice),
         script_rows.script_rows(args, choice, nprocs, peaks, flops),
         script_rows.predict_rows(args, nprocs, benchmark["rows"]),
     )
@@ -139,8 +125,7 @@ def main(argv=None):
     write_json(results, benchmark)
     plot_benchmark(benchmark, args.output_dir / "benchmark.png")
     rows = benchmark["rows"]
-    print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n")
-    print(markdown_table(rows))
+    print(f"\n{benchmark['machine']}, torch {benchmark['torch']}, {benchmark['date']}\n\n{markdown_table(rows)}")
     targets = against_targets(rows, choice.amp == "bf16") + against_peers(rows) + auto_targets(rows)
     print("\n" + "\n".join(targets + predict_figures(rows)))
     print(f"\nWrote {results} and {args.output_dir / 'benchmark.png'}")
@@ -156,9 +141,8 @@ def settle(args) -> int:
     if "fixed" not in args.rows:
         args.fixed = []
     if args.data_path is None:
-        width, height = FLOWER_PHOTOS_SIZE
-        folder = ROOT / "data" / f"benchmark_flowers_{width}x{height}_{args.images_per_class}"
-        args.data_path = make_demo_data(folder, images_per_class=args.images_per_class, size=FLOWER_PHOTOS_SIZE)
+        folder = ROOT / "data" / "benchmark_flowers_320x240_60"
+        args.data_path = make_demo_data(folder, images_per_class=60, size=(320, 240))
     if (args.output_dir / "runs").exists():
         raise UserError(f"{args.output_dir} already holds a benchmark: choose another --output-dir or remove it")
     # auto's choices go to the benchmark's own, new file: it measures as a first run does, and leaves the user's alone
@@ -166,41 +150,30 @@ def settle(args) -> int:
     return args.nprocs or (torch.cuda.device_count() if args.device.startswith("cuda") else 2)
 
 
-def peaks_and_flops(args, choice: Choice) -> tuple[dict, float]:
-    """The compute peak of every precision a row may train in (auto's candidates too), and a step's FLOPs per image."""
+def new_benchmark(args, machine: str, nprocs: int, choice: Choice) -> dict:
+    """benchmark.json before its first row, with the compute peak of every precision a row may train in (auto's
+    candidates too) and a step's FLOPs per image, which it prints."""
     device = torch.device(args.device)
-    fixed = [Choice(FIXED[name][0]) for name in args.fixed]
-    candidates = [Choice(amp) for amp in amp_candidates(args.amp, device)[0]]
-    peaks = measure_peaks([choice, *fixed, *candidates], device)
+    fixed, candidates = [FIXED[name][0] for name in args.fixed], amp_candidates("auto", device)[0]
+    peaks = measure_peaks([choice, *map(Choice, fixed), *map(Choice, candidates)], device)
     flops = training_flops_per_image(args.model, args.img_size)
     print("Compute peak (the faster of matrix products and convolutions): "
           + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
           + f"; a training step is {flops / 1e9:.2f} GFLOP per image")  # fmt: skip
-    return peaks, flops
-
-
-def new_benchmark(args, machine: str, settings: dict) -> dict:
-    """benchmark.json before its first row; `settings`: what was measured or chosen before the rows."""
-    return {
-        "machine": machine,
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "settings": {
-            "model": args.model, "img_size": args.img_size, "batch_size": args.batch_size, "device": args.device,
-            **settings, "data_path": str(args.data_path), "epochs": args.epochs, "steps": args.steps,
-            "loader_images": args.loader_images, "fixed": args.fixed, "rows": args.rows,
-        },
-        "complete": False,  # until the last row
-        "rows": [],
-    }  # fmt: skip
+    settings = {"model": args.model, "img_size": args.img_size, "batch_size": args.batch_size, "device": args.device,
+                "nprocs": nprocs, "precision": described(choice), "channels_last": choice.channels_last,
+                "workers": choice.workers, "peak_flops": peaks, "training_flops_per_image": flops,
+                "data_path": str(args.data_path), "epochs": args.epochs, "steps": args.steps,
+                "loader_images": args.loader_images, "fixed": args.fixed, "rows": args.rows}  # fmt: skip
+    return {"machine": machine, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "settings": settings, "complete": False, "rows": []}  # fmt: skip
 
 
 def record(benchmark: dict, new_row: dict, path: Path) -> None:
     """Add a row in its place (the order of KINDS), print its line, and write the benchmark anew (write_json)."""
-    rows = benchmark["rows"]
-    rows.append(new_row)
-    rows.sort(key=lambda row: KINDS.index(row["kind"]))  # a stable sort: rows of a kind stay in measured order
-    print(table_line(new_row, first_of(rows, "baseline")), flush=True)
+    benchmark["rows"].append(new_row)
+    benchmark["rows"].sort(key=lambda row: KINDS.index(row["kind"]))  # stable: rows of a kind stay in measured order
+    print(table_line(new_row, first_of(benchmark["rows"], "baseline")), flush=True)
     write_json(path, benchmark)
 
 
@@ -238,17 +211,15 @@ def against_targets(rows: list[dict], native_bf16: bool) -> list[str]:
         lines.append(ratio_target(f"{kind}{processes} >= 0.8x one process", ddp, single, 0.8, "{:.2f}x"))
     if spawn and torchrun:
         ratio = spawn["epoch_seconds"] / torchrun["epoch_seconds"]
-        lines.append(
-            f"spawn's epoch takes {ratio:.0%} of torchrun's ({'met' if ratio <= 1.1 else 'NOT met'}: <= 110 %)"
-        )
+        met = "met" if ratio <= 1.1 else "NOT met"
+        lines.append(f"spawn's epoch takes {ratio:.0%} of torchrun's ({met}: <= 110 %)")
     else:
         lines.append("spawn's epoch within 110 % of torchrun's: not measured")
     return lines
 
 
 def against_peers(rows: list[dict]) -> list[str]:
-    """train_single_gpu.py (a later run, else auto's first) against the ceiling and what a user would pick instead:
-    the peer-style loader and timm's train.py, by img/s after the first epoch and by the whole run's wall time."""
+    """train_single_gpu.py (a later run, else auto's first) against the ceiling, the peer-style loader and timm's."""
     ours = first_of(rows, "later") or first_of(rows, "auto")
     ceiling, peer, timm = (first_of(rows, kind) for kind in ("model-only", "peer", "timm"))
     lines = [ratio_target("train_single_gpu.py >= 95 % of the model-only ceiling", ours, ceiling, 0.95, "{:.0%}")]
@@ -273,12 +244,12 @@ def ratio_target(what: str, row: dict | None, against: dict | None, goal: float,
 
 def auto_targets(rows: list[dict]) -> list[str]:
     """auto's targets: its speed against the fixed configurations, its measuring's cost, the demo's time, accuracy."""
-    auto, fixed, lines = first_of(rows, "auto"), rows_of(rows, "fixed"), []
+    auto, fixed = first_of(rows, "auto"), rows_of(rows, "fixed")
     verdict = lambda met: "met" if met else "NOT met"  # noqa: E731
-    best = max(fixed, key=lambda row: row["img_per_sec"]) if fixed else None
+    best = max(fixed, key=lambda row: row["img_per_sec"], default=None)
     original = next((row for row in fixed if row["precision"] == "float32, NCHW"), None)
     best_named = f"the best fixed configuration ({best['precision']})" if best else "the best fixed configuration"
-    lines += [
+    lines = [
         ratio_target(f"auto (at least 95 %) against {best_named}", auto, best, 0.95, "{:.0%}"),
         ratio_target("auto against the original's configuration (float32, NCHW)", auto, original, 1.0, "{:.2f}x"),
     ]

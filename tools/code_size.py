@@ -11,8 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# One step, batch in hand to weights updated: the functions it runs, by file. The books (bookkeeping.py: the sums
-# checked one step behind, the stop votes, the seeds) stay behind calls whose names say what they do.
+# One step, batch in hand to weights updated: the functions it runs, by file (bookkeeping.py's stay behind named calls)
 STEP = {
     "multi_train_utils/train_eval_utils.py": ["train_one_epoch", "Choice.batch_to", "Choice.autocast",
                                               "Choice.grad_scaler", "synchronised", "optimizer_step"],
@@ -73,7 +72,7 @@ def reading_path(files: dict[str, list[str]]) -> dict[str, int]:
 def main() -> None:
     if "--step" not in sys.argv:
         sizes = product_lines()
-        for folder, lines in sorted(sizes.items(), key=lambda item: -item[1]):
+        for folder, lines in sizes.most_common():
             print(f"{lines:6d}  {folder}")
         print(f"{sum(sizes.values()):6d}  in all")
         return

@@ -36,21 +36,18 @@ def compute_peak(dtype: torch.dtype, device: torch.device) -> float:
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if on_gpu and dtype == torch.float32 else precision)
     try:
-        return max(flops / best_of_rounds(work, device) for flops, work in works)
+        return max(flops / min(seconds(work, device) for _ in range(6)) for flops, work in works)
     finally:
         torch.set_float32_matmul_precision(precision)
 
 
-def best_of_rounds(work, device: torch.device, rounds: int = 6) -> float:
-    """The shortest of `rounds` timed calls of work(), in seconds, from an idle device to an idle device."""
-    best = float("inf")
-    for _ in range(rounds):
-        synchronize(device)
-        start = time.perf_counter()
-        work()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+def seconds(work, device: torch.device) -> float:
+    """A call of work(), from an idle device to an idle device."""
+    synchronize(device)
+    start = time.perf_counter()
+    work()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def training_flops_per_image(model_name: str, img_size: int) -> float:

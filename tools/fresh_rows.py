@@ -1,5 +1,5 @@
-"""The benchmark's rows measured each in a fresh process, none inheriting another's caches, memory or threads: model
-only (the ceiling), the training loader alone, and peer-style (fed as torchvision's references feed a GPU)."""
+"""The benchmark's rows without a script, each in a fresh process (none inheriting another's caches, memory or
+threads): model only, the training loader alone, peer-style (docs/performance.md, "What the rows measure")."""
 
 import itertools
 import math
@@ -29,8 +29,9 @@ from utils import UserError
 UNTIMED_STEPS = 3  # allocations, kernel choices, compilation
 
 
-def model_rows(args, config, choice: Choice, peaks: dict, flops: float):
-    """train_one_epoch over one batch on the device, as auto chose (the ceiling), in float32 NCHW, and compiled."""
+def fresh_rows(args, config, plan, choice: Choice, peaks: dict, flops: float):
+    """In this order: train_one_epoch over one batch on the device, as auto chose (the ceiling), in float32 NCHW and
+    compiled; the training loader alone, with 1 worker and with the scripts' workers (at least 1); peer-style."""
     cases = [("model only (the ceiling)", "model-only", choice, False),
              ("model only, float32 NCHW", "model-only", replace(choice, amp="off", channels_last=False), False),
              ("model only, torch.compile", "compile", choice, True)]  # fmt: skip
@@ -38,11 +39,22 @@ def model_rows(args, config, choice: Choice, peaks: dict, flops: float):
         if kind in args.rows:
             measured = in_fresh_process(name, _model_only, config, case, compiled, args.steps)
             yield trained_row(name, kind, 1, case, measured, peaks, flops)
+    theirs = f"loader, {worker_phrase(choice.workers)} (as the training scripts)"
+    if choice.workers == 0:
+        theirs = "loader, 1 worker (the training scripts here: none, images loaded between steps)"
+    start_method = multiprocessing.get_start_method()  # what a script's loader gets: the platform's default
+    for count, name in ((1, "loader, 1 worker"), (max(1, choice.workers), theirs)) if "loader" in args.rows else ():
+        measured = in_fresh_process(name, _loader, config, plan, count, args.loader_images, start_method)
+        measured["img_per_sec_per_worker"] = measured["img_per_sec"] / count
+        yield row(name, "loader", 1, "–", measured)
+    if "peer" in args.rows:
+        measured = in_fresh_process("peer", _peer, config, plan, choice, args.epochs)
+        name = f"peer-style: ImageFolder, PIL, {worker_phrase(measured['workers'])}, pinned"
+        yield trained_row(name, "peer", 1, choice, measured, peaks, flops)
 
 
 def _model_only(queue, config, choice: Choice, compiled: bool, steps: int) -> None:
-    """In a fresh process: images per second of `steps` steps over one batch on the device, after UNTIMED_STEPS
-    (compiled, compile_seconds: what the first step took beyond the others)."""
+    """Images per second of `steps` steps over one batch on the device, after UNTIMED_STEPS."""
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = single_process(config.device).device
     training = training_for(config, choice, device, classes=5, batches_per_epoch=1, compiled=compiled)
@@ -59,40 +71,24 @@ def _model_only(queue, config, choice: Choice, compiled: bool, steps: int) -> No
     first = seconds(1)
     seconds(UNTIMED_STEPS - 1)
     timed = seconds(steps)
-    measured = {"img_per_sec": steps * config.batch_size / timed}
-    if compiled:
-        measured["compile_seconds"] = first - timed / steps
-    queue.put(measured | peak_memory(device))
+    compiling = {"compile_seconds": first - timed / steps} if compiled else {}
+    queue.put({"img_per_sec": steps * config.batch_size / timed, **compiling, **peak_memory(device)})
 
 
 def training_for(config, choice: Choice, device, classes: int, batches_per_epoch: int, compiled=False) -> Training:
-    """The scripts' model (initial_model) and optimizer at their default settings, computing as `choice` says."""
+    """The scripts' model and optimizer at their default settings, computing as `choice` says."""
     model = initial_model(config.model, classes, device, choice.memory_format)
     optimizer, _ = build_optimizer(model, config, batches_per_epoch)
     trained = torch.compile(model) if compiled else model
     return Training(trained, optimizer, choice=choice, scaler=choice.grad_scaler(device))
 
 
-def loader_rows(args, config, plan, workers: int):
-    """The training loader alone, with 1 worker and with the workers auto chose for the scripts (at least 1)."""
-    if "loader" not in args.rows:
-        return
-    theirs = f"loader, {worker_phrase(workers)} (as the training scripts)"
-    if workers == 0:
-        theirs = "loader, 1 worker (the training scripts here: none, images loaded between steps)"
-    start_method = multiprocessing.get_start_method()  # what a script's loader gets: the platform's default
-    for count, name in ((1, "loader, 1 worker"), (max(1, workers), theirs)):
-        measured = in_fresh_process(name, _loader, config, plan, count, args.loader_images, start_method)
-        measured["img_per_sec_per_worker"] = measured["img_per_sec"] / count
-        yield row(name, "loader", 1, "–", measured)
-
-
 def _loader(queue, config, plan, workers: int, images: int, start_method: str) -> None:
-    """In a fresh process: images per second of the scripts' training loader without a model, over at least `images`
-    images in whole rounds of `workers` batches (the workers deliver in turn), after the workers' start."""
+    """Images per second of the scripts' training loader, over at least `images` images in whole rounds of `workers`
+    batches (the workers deliver in turn), after the workers' start."""
     multiprocessing.set_start_method(start_method, force=True)
     device = torch.device(config.device)
-    train_set, val_set, _ = datasets(plan, config)
+    train_set, val_set = datasets(plan, config)
     batches = shuffled_batches(train_set, config.batch_size, config.seed)
     train_loader, _ = loaders(train_set, val_set, batches, range(len(val_set)), config, Choice(workers=workers), device)
     batches = batches_over_epochs(train_loader)
@@ -112,18 +108,8 @@ def batches_over_epochs(loader):
         yield from loader
 
 
-def peer_rows(args, config, choice: Choice, split, peaks: dict, flops: float):
-    if "peer" not in args.rows:
-        return
-    measured = in_fresh_process("peer", _peer, config, args.data_path, split, choice, args.epochs, args.output_dir)
-    name = f"peer-style: ImageFolder, PIL, {worker_phrase(measured['workers'])}, pinned"
-    yield trained_row(name, "peer", 1, choice, measured, peaks, flops)
-
-
-def _peer(queue, config, data_path, split, choice: Choice, epochs: int, output_dir) -> None:
-    """In a fresh process: a whole run as torchvision's references make one, on the scripts' split: each epoch
-    train_one_epoch fed by an ImageFolder loader, validation, and a checkpoint of model and optimizer saved in the
-    loop. Images per second of the epochs after the first; run_seconds, the whole (torch already imported)."""
+def _peer(queue, config, plan, choice: Choice, epochs: int) -> None:
+    """A whole run as torchvision's references make one; img/s of the epochs after the first, run_seconds of all."""
     started = time.perf_counter()
     sys.stdout = open(os.devnull, "w")  # train_one_epoch's progress bar
     device = single_process(config.device).device
@@ -133,15 +119,13 @@ def _peer(queue, config, data_path, split, choice: Choice, epochs: int, output_d
                         T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])  # fmt: skip
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     pin = device.type == "cuda"
-    train_set, val_set = (
-        image_folder(data_path, augment, split.train_images),
-        image_folder(data_path, resize, split.val_images),
-    )
+    train_set = image_folder(plan.data_path, augment, plan.split.train_images)
+    val_set = image_folder(plan.data_path, resize, plan.split.val_images)
     loader = DataLoader(train_set, config.batch_size, shuffle=True, num_workers=cores, drop_last=True,
                         pin_memory=pin, persistent_workers=True)  # fmt: skip
     val_loader = DataLoader(val_set, config.batch_size, num_workers=cores, pin_memory=pin, persistent_workers=True)
     training = training_for(config, choice, device, len(train_set.classes), len(loader))
-    images_seen, seconds, out = 0, 0.0, output_dir / "runs" / "peer"
+    images_seen, seconds, out = 0, 0.0, plan.output_dir / "runs" / "peer"
     out.mkdir(parents=True, exist_ok=True)
     for epoch in range(epochs):
         start = time.perf_counter()
@@ -152,17 +136,14 @@ def _peer(queue, config, data_path, split, choice: Choice, epochs: int, output_d
         evaluate(training.model, val_loader, device, len(train_set.classes), choice)
         state = {"model": training.model.state_dict(), "optimizer": training.optimizer.state_dict(), "epoch": epoch}
         torch.save(state, out / "checkpoint.pth")
-    run_seconds = time.perf_counter() - started
-    queue.put({"img_per_sec": images_seen / seconds, "workers": cores, "run_seconds": run_seconds,
+    queue.put({"img_per_sec": images_seen / seconds, "workers": cores, "run_seconds": time.perf_counter() - started,
                **peak_memory(device)})  # fmt: skip
 
 
 def image_folder(data_path, transform, images: list[str]) -> ImageFolder:
-    """torchvision's ImageFolder of `data_path` holding `images` alone (a part of the scripts' split)."""
+    """torchvision's ImageFolder of `data_path` holding `images` alone."""
     wanted = {os.path.normpath(image) for image in images}
-    return ImageFolder(
-        data_path, transform, is_valid_file=lambda path: os.path.normpath(path) in wanted, allow_empty=True
-    )
+    return ImageFolder(data_path, transform, is_valid_file=lambda p: os.path.normpath(p) in wanted, allow_empty=True)
 
 
 def in_fresh_process(name: str, target, *args) -> dict:

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# What a lent GPU machine runs with its own python3: the steps given (each one argument, split as a shell would), or
-# DEFAULT_STEPS. docs/gpu-runs.md ("The runner") has an example, what each step writes to $OUT, and a dry run.
-#   tests NAME LIMIT PYTEST_ARGS...   pytest, into $OUT/tests.log
-#   bench NAME LIMIT FLAGS...         tools/benchmark.py on the JPEGs: $OUT/benchmark_NAME.json, profile_NAME.json.gz
-#   run NAME LIMIT SCRIPT FLAGS...    a training script on the JPEG folder, timed to its end: $OUT/run_NAME.jsonl
+# What a lent GPU machine runs with its own python3: the steps given, each one argument ("tests NAME LIMIT PYTEST_ARGS";
+# "bench NAME LIMIT FLAGS", into $OUT/benchmark_NAME.json and profile_NAME.json.gz; "run NAME LIMIT SCRIPT FLAGS"),
+# or DEFAULT_STEPS. docs/gpu-runs.md, "The runner".
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -27,22 +25,22 @@ for file in "$SUMMARY" "$OUT/tests.log" "$OUT/bench.log"; do : >"$file"; done
 failed=0
 
 note() { echo "[gpu_run +${SECONDS}s] $*" | tee -a "$SUMMARY"; }
-ended() { # ended NAME STATUS STARTED: the step's exit status and seconds in summary.log; a failure fails the command
+ended() { # NAME STATUS STARTED: into summary.log; a failure fails the command
     local why=""
     case $2 in
     124 | 137) why=" (timed out)" ;;
-    5) why=" (no test selected)" ;; # pytest's status when nothing was collected: a wrong -k, say
+    5) why=" (no test selected)" ;; # pytest's, when nothing was collected: a wrong -k, say
     esac
     note "$1: exit status $2$why, $((SECONDS - $3)) s"
     [ "$2" = 0 ] || failed=1
 }
-limit_of() { # limit_of LIMIT: LIMIT, or what is left of the budget less 15 s, whichever is less
+limit_of() { # LIMIT, or what is left of the budget less 15 s, whichever is less
     local left=$((BUDGET - SECONDS - 15)); echo $(($1 < left ? $1 : left))
 }
-copy_new() { # copy_new FROM TO: FROM, if it exists and differs from TO, copied whole to TO (written beside, renamed)
+copy_new() { # FROM TO: FROM, if it exists and differs from TO, copied whole (written beside, renamed)
     [ -f "$1" ] && ! cmp -s "$1" "$2" && cp "$1" "$OUT/.copying" && mv -f "$OUT/.copying" "$2"
 }
-run_logs() { # run_logs LOGS...: into bench.log, progress bars left out but for their 100 % lines
+run_logs() { # LOGS...: into bench.log, progress bars left out but for their 100 % lines
     for log in "$@"; do
         [ -f "$log" ] || continue
         echo "----- $log"
@@ -53,8 +51,7 @@ run_logs() { # run_logs LOGS...: into bench.log, progress bars left out but for 
 # The machine; the JPEG folder is drawn meanwhile
 jpegs_log=$(mktemp)
 nice -n 10 timeout 300 "$PY" -m dataset.demo "$DATA" "$JPEG_SCALE" >"$jpegs_log" 2>&1 &
-jpegs_pid=$!
-jpegs_status=
+jpegs_pid=$! jpegs_status=
 {
     date -u
     if command -v nvidia-smi >/dev/null; then timeout 30 nvidia-smi; else echo "nvidia-smi: not found"; fi
@@ -82,14 +79,13 @@ jpeg_folder() { # waits, once, for the JPEG folder drawn since the start; fails 
     [ "$jpegs_status" = 0 ]
 }
 
-tests_step() { # tests NAME LIMIT PYTEST_ARGS...
+tests_step() {
     local name=$1 limit=$2 started=$SECONDS log=$OUT/tests.log
     shift 2
     local command=("$PY" -m pytest "$@" -n 0 -q --durations=0)
     note "tests $name: ${command[*]} (at most $limit s)"
     echo "===== $name: ${command[*]}" >>"$log"
-    local before
-    before=$(wc -l <"$log")
+    local before=$(wc -l <"$log")
     timeout -s INT -k 15 "$limit" "${command[@]}" 2>&1 | tee -a "$log"
     local status=$? outcome # outcome: pytest's last line
     outcome=$(tail -n +$((before + 1)) "$log" |
@@ -97,7 +93,7 @@ tests_step() { # tests NAME LIMIT PYTEST_ARGS...
     ended "tests $name (${outcome:-no outcome})" "$status" "$started"
 }
 
-bench_step() { # bench NAME LIMIT FLAGS...
+bench_step() {
     local name=$1 limit=$2 dir=/tmp/bench_gpu_$1 started=$SECONDS
     shift 2
     jpeg_folder || { ended "bench $name (no JPEG folder)" 1 "$started" && return; }
@@ -122,7 +118,7 @@ bench_step() { # bench NAME LIMIT FLAGS...
     run_logs "$dir"/logs/*.log
 }
 
-run_step() { # run NAME LIMIT SCRIPT FLAGS...
+run_step() {
     local name=$1 limit=$2 script=$3 dir=/tmp/run_gpu_$1 started=$SECONDS
     shift 3
     jpeg_folder || { ended "run $name (no JPEG folder)" 1 "$started" && return; }

@@ -3,8 +3,7 @@
     python tools/profile_steps.py --epoch 1 --steps 10 --trace-dir DIR train_single_gpu.py --data-path ... FLAGS
 
 runs the script in this process, its train_one_epoch wrapped so that epoch --epoch has its first --steps steps
-traced; docs/performance.md ("A profile of the real loop") says what it writes and prints.
-"""
+traced (docs/performance.md, "A profile of the real loop")."""
 
 import argparse
 import gzip
@@ -31,8 +30,8 @@ STEP_PREFIX = "ProfilerStep"  # the span profile.step() marks around each step: 
 
 
 class ProfiledBatches:
-    """`total` batches of the iterator `batches` (default: skip + steps), with a length as a loader has; each batch
-    asked for begins a profiler step, so a traced step holds its batch's wait."""
+    """`total` batches of `batches` (default: skip + steps), with a loader's length; each batch asked for begins a
+    profiler step, so a traced step holds its batch's wait."""
 
     def __init__(self, batches, skip: int, steps: int, profiler: profile, total: int | None = None):
         self.batches, self.total, self.profiler = batches, skip + steps if total is None else total, profiler
@@ -58,9 +57,8 @@ def traced(run, batches, skip: int, steps: int, device: torch.device, folder: Pa
         try:  # read back: torch's C++ writes the trace into a temporary file, and says nothing of a write that fails
             trace_events(path)
         except (EOFError, ValueError, OSError):  # (gzip's: cut short, not gzip)
-            raise OutputError(
-                f"cannot write {path}: torch's profiler could not write it whole (in {tempfile.gettempdir()} first)"
-            ) from None
+            raise OutputError(f"cannot write {path}: torch's profiler could not write it whole (in "
+                              f"{tempfile.gettempdir()} first)") from None  # fmt: skip
         found.update(summary_of(profiler.events(), device), trace=str(path), trace_bytes=path.stat().st_size)
 
     plan = schedule(wait=skip, warmup=1, active=steps, repeat=1)
@@ -166,15 +164,14 @@ def top_operations(events, on_gpu: bool) -> list[dict]:
 
 def printed(found: dict) -> str:
     """The summary as the benchmark prints it."""
-    where = "CPU operations, own time" if found["device_idle_seconds"] is None else "GPU kernels"
     lines = [f"Profile of {found['traced_steps']} steps ({found['traced_seconds']:.3f} s): {found['trace']}"]
     if found["device_idle_seconds"] is not None:
-        idle = found["device_idle_seconds"]
-        lines.append(f"  the GPU sat idle {idle:.3f} s of them ({found['device_idle_fraction']:.0%})")
+        idle, share = found["device_idle_seconds"], found["device_idle_fraction"]
+        lines.append(f"  the GPU sat idle {idle:.3f} s of them ({share:.0%})")
     lines.append(f"  the training process waited for batches {found['waiting_for_batches_seconds']:.3f} s "
                  f"({found['waiting_for_batches_fraction']:.0%}); the first step (an epoch's start) "
                  f"{found['first_step_ms']} ms, the others' median {found['other_steps_median_ms']} ms")  # fmt: skip
-    lines.append(f"  top {where}:")
+    lines.append(f"  top {'CPU operations, own time' if found['device_idle_seconds'] is None else 'GPU kernels'}:")
     for op in found["top_operations"]:
         lines.append(f"    {op['share']:6.1%} {op['ms']:10.2f} ms {op['calls']:6d} x  {op['name'][:90]}")
     return "\n".join(lines)

@@ -27,7 +27,7 @@ FIXED = {"float32-nchw": ("off", False), "float32-channels_last": ("off", True),
 
 def auto_run(args) -> tuple[dict, Choice]:
     """train_single_gpu.py's first run here, auto measuring: its figures (and measure_seconds) and what auto chose."""
-    measured = run_script(args, "auto", SINGLE, ["--amp", args.amp, *layout_flags(args.channels_last)])
+    measured = run_script(args, "auto", SINGLE, [])
     measured["measure_seconds"] = measuring_seconds(args.img_size, args.batch_size)
     log = (args.output_dir / "logs" / "auto.log").read_text()
     workers = int(re.search(r"(\d+) loader workers per process", log).group(1))
@@ -55,8 +55,23 @@ PATHS = {"device": ["--batches", "device"], "loader": ["--batches", "loader"],
 
 
 def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
-    """The training scripts end to end but auto's run: baseline, fixed, paths (a path the script refuses is left out),
-    the DDP scripts with `nprocs` processes, as the auto row, and the demo."""
+    """The scripts end to end but auto's first run, in this order: later, profile, baseline, fixed, paths, DDP with
+    `nprocs` processes, demo."""
+    if "later" in args.rows:  # as the auto row ran, auto's choice now remembered, as later runs find it
+        measured = run_script(args, "later", SINGLE, [])
+        name = "train_single_gpu.py, auto, a later run (the choice remembered)"
+        yield trained_row(name, "later", 1, chosen(args, "later"), measured, peaks, flops)
+    if "profile" in args.rows:  # as auto chose, its second epoch's first --profile-steps steps traced (img/s: theirs)
+        tracer = [str(ROOT / "tools" / "profile_steps.py"), "--epoch", "1", "--steps", str(args.profile_steps)]
+        tracer += ["--trace-dir", str(args.output_dir), *SINGLE]
+        measured = run_script(args, "profile", tracer, [*choice_flags(choice), "--epochs", "2"])
+        found = json.loads((args.output_dir / SUMMARY_NAME).read_text())
+        print(printed(found), flush=True)
+        found["img_per_sec"] = found["traced_steps"] * args.batch_size / found["traced_seconds"]
+        feeding = "batches made on the device" if choice.on_device else worker_phrase(choice.workers)
+        found["workers"] = choice.workers
+        found |= {key: value for key, value in measured.items() if key.startswith("peak_")}
+        yield row(f"profile: train_one_epoch, {feeding}", "profile", 1, described(choice), found)
     if "baseline" in args.rows:
         original = Choice(workers=min(os.cpu_count() or 1, args.batch_size, 8))  # float32, NCHW, its num_workers
         measured = run_script(args, "baseline", SINGLE, [*choice_flags(original), "--no-persistent-workers"])
@@ -69,20 +84,15 @@ def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
     for path, where in PATHS.items() if "paths" in args.rows else ():
         if path == choice.batches:  # auto's row
             continue
-        flags = ["--amp", choice.amp, *layout_flags(choice.channels_last), *where]
         try:
-            measured = run_script(args, f"batches-{path}", SINGLE, flags)
+            measured = run_script(args, f"batches-{path}", SINGLE, [*precision_flags(choice), *where])
         except UserError as failed:
             print(f"  --batches {path}: left out ({failed})", flush=True)
             continue
         name = f"train_single_gpu.py, {' '.join(where)}"
         yield trained_row(name, "paths", 1, chosen(args, f"batches-{path}"), measured, peaks, flops)
-    ours = ["--amp", args.amp, *layout_flags(args.channels_last)]
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
-    launches = {
-        "torchrun": ([*torchrun, str(ROOT / "train_multi_gpu_using_launch.py")], ours),
-        "spawn": ([str(ROOT / "train_multi_gpu_using_spawn.py")], [*ours, "--world-size", str(nprocs)]),
-    }
+    launches = {"torchrun": ([*torchrun(nprocs), str(ROOT / "train_multi_gpu_using_launch.py")], []),
+                "spawn": ([str(ROOT / "train_multi_gpu_using_spawn.py")], ["--world-size", str(nprocs)])}  # fmt: skip
     for kind, (script, flags) in launches.items():
         if kind in args.rows:
             measured = run_script(args, kind, script, flags)
@@ -93,48 +103,31 @@ def script_rows(args, choice: Choice, nprocs: int, peaks: dict, flops: float):
         yield row("train_single_gpu.py --demo, its first run", "demo", 1, described(chosen(args, "demo")), demo)
 
 
-def later_rows(args, peaks: dict, flops: float):
-    """train_single_gpu.py again as the auto row ran it, auto's choice now remembered, as a user's later runs find it:
-    the run whose wall time is set against the peers' (its img/s: the epochs after the first, as every row's)."""
-    if "later" in args.rows:
-        measured = run_script(args, "later", SINGLE, ["--amp", args.amp, *layout_flags(args.channels_last)])
-        name = "train_single_gpu.py, auto, a later run (the choice remembered)"
-        yield trained_row(name, "later", 1, chosen(args, "later"), measured, peaks, flops)
-
-
 def timm_rows(args, choice: Choice, split, peaks: dict, flops: float):
-    """timm's train.py (--timm-train PATH) on the scripts' split (train/ and validation/ folders of links to the same
-    images), the same model, size, batch and epochs, with its fastest flags here: auto's precision and layout, a
-    loader worker per core, pinned memory. Its img/s: the mean of its epochs' own rates after the first."""
+    """timm's train.py (--timm-train PATH) on the scripts' split, with its fastest flags here."""
     if "timm" not in args.rows:
         return
     if args.timm_train is None:
         print("  timm's train.py: left out (--timm-train PATH names it, a pytorch-image-models checkout's)", flush=True)
         return
-    data, cores = linked_split(args.output_dir / "timm_data", split), available_cores()
+    data, cores = args.output_dir / "timm_data", available_cores()
+    parts = {"train": (split.train_images, split.train_labels), "validation": (split.val_images, split.val_labels)}
+    for part, (images, labels) in parts.items():  # links to the split's images, in the folders timm reads
+        for number, (image, label) in enumerate(zip(images, labels, strict=True)):
+            link = data / part / split.classes[label] / f"{number}{Path(image).suffix}"
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(Path(image).resolve())
     flags = ["--model", args.model.removeprefix("timm/"), "--num-classes", str(len(split.classes))]
     flags += ["--img-size", str(args.img_size), "-b", str(args.batch_size), "--epochs", str(args.epochs)]
     flags += ["-j", str(cores), "--pin-mem", "--device", args.device, "--log-interval", "1000000"]
     flags += ["--amp", "--amp-dtype", "bfloat16"] if choice.amp == "bf16" else []
     flags += ["--channels-last"] if choice.channels_last else []
-    out = args.output_dir / "runs"
-    command = [sys.executable, str(args.timm_train), str(data), *flags, "--output", str(out), "--experiment", "timm"]
-    wall = logged_run(args, "timm", command)
+    flags += ["--output", str(args.output_dir / "runs"), "--experiment", "timm"]
+    wall = logged_run(args, "timm", [sys.executable, str(args.timm_train), str(data), *flags])
     rates = timm_rates((args.output_dir / "logs" / "timm.log").read_text(), args.epochs)
     measured = {"img_per_sec": sum(rates[1:]) / len(rates[1:]), "epoch_img_per_sec": rates, "run_seconds": wall}
     name = f"timm's train.py: {worker_phrase(cores)}, pinned"
     yield trained_row(name, "timm", 1, replace(choice, micro_batch=None, workers=cores), measured, peaks, flops)
-
-
-def linked_split(folder: Path, split) -> Path:
-    """`folder` holding train/CLASS/ and validation/CLASS/ with a link to each image of `split`, as timm reads them."""
-    parts = {"train": (split.train_images, split.train_labels), "validation": (split.val_images, split.val_labels)}
-    for part, (images, labels) in parts.items():
-        for number, (image, label) in enumerate(zip(images, labels, strict=True)):
-            link = folder / part / split.classes[label] / f"{number}{Path(image).suffix}"
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(Path(image).resolve())
-    return folder
 
 
 def timm_rates(log: str, epochs: int) -> list[float]:
@@ -148,29 +141,17 @@ def timm_rates(log: str, epochs: int) -> list[float]:
     return [last[epoch] for epoch in range(epochs)]
 
 
-def profile_rows(args, choice: Choice):
-    """train_single_gpu.py as auto chose, its second epoch's first --profile-steps steps traced (img/s: theirs)."""
-    if "profile" not in args.rows:
-        return
-    tracer = [str(ROOT / "tools" / "profile_steps.py"), "--epoch", "1", "--steps", str(args.profile_steps)]
-    tracer += ["--trace-dir", str(args.output_dir), *SINGLE]
-    measured = run_script(args, "profile", tracer, [*choice_flags(choice), "--epochs", "2"])
-    found = json.loads((args.output_dir / SUMMARY_NAME).read_text())
-    print(printed(found), flush=True)
-    found["img_per_sec"] = found["traced_steps"] * args.batch_size / found["traced_seconds"]
-    feeding = "batches made on the device" if choice.on_device else worker_phrase(choice.workers)
-    found |= {"workers": choice.workers, **{key: value for key, value in measured.items() if key.startswith("peak_")}}
-    yield row(f"profile: train_one_epoch, {feeding}", "profile", 1, described(choice), found)
-
-
 def choice_flags(choice: Choice) -> list[str]:
-    flags = ["--amp", choice.amp, *layout_flags(choice.channels_last), "--workers", str(choice.workers)]
-    flags += ["--batches", choice.batches]
+    flags = [*precision_flags(choice), "--workers", str(choice.workers), "--batches", choice.batches]
     return flags + (["--micro-batch", str(choice.micro_batch)] if choice.micro_batch else [])
 
 
-def layout_flags(channels_last: bool | None) -> list[str]:
-    return [] if channels_last is None else ["--channels-last" if channels_last else "--no-channels-last"]
+def precision_flags(choice: Choice) -> list[str]:
+    return ["--amp", choice.amp, "--channels-last" if choice.channels_last else "--no-channels-last"]
+
+
+def torchrun(nprocs: int) -> list[str]:
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
 
 
 def settings_flags(args) -> list[str]:
@@ -190,12 +171,10 @@ def run_script(args, name: str, script: list, flags: list, demo: bool = False) -
     return {
         "img_per_sec": sum(m["train_images_per_sec"] for m in steady) / len(steady),
         "epoch_seconds": sum(m["epoch_seconds"] for m in steady) / len(steady),
-        "first_epoch_seconds": epochs[0]["epoch_seconds"],
-        "run_seconds": wall,
-        "val_acc": epochs[-1]["val_acc"],
+        "first_epoch_seconds": epochs[0]["epoch_seconds"], "run_seconds": wall, "val_acc": epochs[-1]["val_acc"],
         "peak_rss_mib": max((m["peak_rss_mib"] for m in epochs if "peak_rss_mib" in m), default=None),
         **({"peak_gpu_mib": max(m["peak_gpu_mib"] for m in epochs)} if "peak_gpu_mib" in epochs[0] else {}),
-    }
+    }  # fmt: skip
 
 
 def logged_run(args, name: str, command: list) -> float:
@@ -218,8 +197,7 @@ def predict_rows(args, nprocs: int, measured: list[dict]):
     if "predict" not in args.rows:
         return
     ceiling = next((row["img_per_sec"] for row in measured if row["kind"] == "model-only"), None)
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
-    for processes, launcher in ((1, []), (nprocs, torchrun)):
+    for processes, launcher in ((1, []), (nprocs, torchrun(nprocs))):
         name = f"predict.py, {processes} process{'es' * (processes > 1)}" + (", torchrun" if launcher else "")
         figures = run_predict(args, f"predict-{processes}", [*launcher, str(ROOT / "predict.py")])
         figures["training_step_img_per_sec"] = ceiling
@@ -228,11 +206,10 @@ def predict_rows(args, nprocs: int, measured: list[dict]):
 
 def run_predict(args, name: str, script: list) -> dict:
     """predict.py (`script`: what follows `python`) with auto's best weights; its speed from its last line."""
-    weights = args.output_dir / "runs" / "auto" / "weights" / "best.pth"
-    results = args.output_dir / "runs" / f"{name}.csv"
-    command = [sys.executable, *script, str(args.data_path), "--weights", str(weights), "--results", str(results)]
-    wall = logged_run(args, name, [*command, "--device", args.device])
-    speed = re.search(r"\(([\d.]+) images/s", (args.output_dir / "logs" / f"{name}.log").read_text())
+    runs, log = args.output_dir / "runs", args.output_dir / "logs" / f"{name}.log"
+    command = [sys.executable, *script, str(args.data_path), "--weights", str(runs / "auto" / "weights" / "best.pth")]
+    wall = logged_run(args, name, [*command, "--results", str(runs / f"{name}.csv"), "--device", args.device])
+    speed = re.search(r"\(([\d.]+) images/s", log.read_text())
     if speed is None:
-        raise UserError(f"{name} did not say its speed; see {args.output_dir / 'logs' / f'{name}.log'}")
+        raise UserError(f"{name} did not say its speed; see {log}")
     return {"img_per_sec": float(speed[1]), "run_seconds": wall}

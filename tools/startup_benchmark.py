@@ -1,13 +1,9 @@
-"""Start-up against the size of the data (tools/benchmark.py --startup-sizes 5000,20000): for each size, a folder of
-photo-like JPEGs, and the seconds until train_single_gpu.py's first step for a first run (which builds the image
-store), a second run (which maps it) and a run without a store; the store's build rate against the cores' summed
-decoding rate, its size, and the second run's own memory. docs/performance.md ("Start-up") says what each column
-measures.
-"""
+"""Start-up against the size of the data (tools/benchmark.py --startup-sizes 5000,20000): for each size, the seconds
+to train_single_gpu.py's first step with the image store built, then mapped, then off. docs/performance.md
+("Start-up") says what each column measures."""
 
 import argparse
 import datetime
-import io
 import os
 import re
 import shutil
@@ -17,13 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 from dataset.demo import FLOWER_PHOTOS, make_demo_data
 from dataset.folders import read_split_data, split_fingerprint
-from dataset.images import capped, decoded_size, load_rgb
+from dataset.images import decoded_size, load_rgb
 from dataset.transforms import decode_sides
 from machine import available_cores, describe_cpu
 from run.config import Config
@@ -56,111 +50,55 @@ def image_counts(text: str) -> list[int]:
 
 
 def startup_benchmark(counts: list[int], output_dir: Path, device: str, folders: Path = DATA) -> None:
-    """Measure start-up at each of `counts` images (their folders made once in `folders`); print the table and
-    write `output_dir`/startup.json."""
+    """Measure start-up at each of `counts` images (their folders made once in `folders`) into startup.json."""
     if (output_dir / "startup.json").exists():
         raise UserError(f"{output_dir} already holds a start-up benchmark: choose another --output-dir or remove it")
-    machine = f"{describe_cpu()}; {device}"
+    machine, logs, rows = f"{describe_cpu()}; {device}", output_dir / "logs", []
     print(f"Start-up benchmark: train_single_gpu.py {' '.join(FLAGS)} --device {device}\nMachine: {machine}")
-    rows = []
     for count in counts:
-        data = photo_like_images(folders / f"{count}_photos", count)
-        stores = output_dir / "startup-stores" / str(count)
+        data, scale = folders / f"{count}_photos", count / sum(FLOWER_PHOTOS.values())
+        classes = {kind: max(1, round(n * scale)) for kind, n in FLOWER_PHOTOS.items()}  # flower_photos' proportions
+        if not data.exists():
+            print(f"  generating {sum(classes.values())} photo-like JPEGs into {data} (once)", flush=True)
+        make_demo_data(data, classes, photo_like=True, workers=available_cores())
+        stores, runs = output_dir / "startup-stores" / str(count), output_dir / "startup-runs" / str(count)
         shutil.rmtree(stores, ignore_errors=True)  # the first run builds it
         env = {"FLOWERS_STORE_DIR": str(stores)}
-
-        logs = output_dir / "logs"
-        runs = output_dir / "startup-runs" / str(count)
         command = [sys.executable, str(ROOT / "train_single_gpu.py"), "--data-path", str(data), *FLAGS, "--device",
                    device, "--output-dir"]  # fmt: skip
-        first, _ = seconds_to_first_step([*command, runs / "first"], logs / f"startup-{count}-first.log", env)
+        first_log = logs / f"startup-{count}-first.log"
+        first, _ = seconds_to_first_step([*command, runs / "first"], first_log, env)
         second, memory = seconds_to_first_step([*command, runs / "second"], logs / f"startup-{count}-second.log", env)
         off = [*command, runs / "off", "--store-dir", "off"]
         no_store, _ = seconds_to_first_step(off, logs / f"startup-{count}-off.log")
-        built = re.search(
-            r"\(([\d.]+) GB[^)]*?, ([\d.]+) s, (\d+) processes\)", (logs / f"startup-{count}-first.log").read_text()
-        )
+        built = re.search(r"\(([\d.]+) GB[^)]*?, ([\d.]+) s, (\d+) processes\)", first_log.read_text())
         if built is None:
-            raise UserError(f"the first run did not build the image store: see {logs / f'startup-{count}-first.log'}")
-        gigabytes, build, processes = float(built[1]), float(built[2]), int(built[3])
-        row = {"images": count, **listing_parts(data), "first_run_s": first, "second_run_s": second,
-               "no_store_s": no_store, "build_s": build, "store_gb": gigabytes, "rss_anon_mb": memory}  # fmt: skip
-        row["build_share"] = row["images"] / build / (processes / decode_seconds(data))  # (the cores' summed rate)
+            raise UserError(f"the first run did not build the image store: see {first_log}")
+        listing, split = timed(read_split_data, data)  # the parts of every start that grow with the data
+        fingerprint, _ = timed(split_fingerprint, split, data)
+        row = {"images": len(split.train_images) + len(split.val_images), "listing_s": listing,
+               "split_fingerprint_s": fingerprint, "first_run_s": first, "second_run_s": second, "no_store_s": no_store,
+               "build_s": float(built[2]), "store_gb": float(built[1]), "rss_anon_mb": memory}  # fmt: skip
+        row["build_share"] = row["images"] / row["build_s"] * decode_seconds(data) / int(built[3])  # of the cores' rate
         rows.append(row)
         print(f"  {row['images']} images: first run {first:.1f} s, second {second:.1f} s, no store {no_store:.1f} s")
-    record = {"machine": machine, "date": datetime.date.today().isoformat(), "torch": torch.__version__}
-    formats = store_formats(data)
-    write_json(output_dir / "startup.json", {**record, "flags": FLAGS, "rows": rows, "formats": formats})
-    print("\n" + startup_table(rows) + "\n\nThe store's formats, on one core, at the last size's images:")
-    for row in formats:
-        print(
-            f"  {row['format']}: {row['kb_an_image']:.1f} KB an image, made in {row['build_ms']:.2f} ms, read back "
-            f"in {row['read_ms']:.3f} ms"
-        )
+    write_json(output_dir / "startup.json", {"machine": machine, "date": datetime.date.today().isoformat(),
+               "torch": torch.__version__, "flags": FLAGS, "rows": rows})  # fmt: skip
+    print("\n" + startup_table(rows))
     print(f"\nWrote {output_dir / 'startup.json'}")
-
-
-def photo_like_images(folder: Path, count: int) -> Path:
-    """`folder`, holding about `count` photo-like JPEGs in flower_photos' classes and proportions, made once."""
-    scale = count / sum(FLOWER_PHOTOS.values())
-    counts = {kind: max(1, round(n * scale)) for kind, n in FLOWER_PHOTOS.items()}
-    if not folder.exists():
-        print(f"  generating {sum(counts.values())} photo-like JPEGs into {folder} (once)", flush=True)
-    return make_demo_data(folder, counts, photo_like=True, workers=available_cores())
 
 
 def decode_seconds(data: Path) -> float:
     """Seconds one core takes to decode an image of `data` as the store does (once for each shape it takes at a run's
     decode sizes), over SAMPLE images (PIL decodes in the thread that asks)."""
-    paths, sides = sample_of(data), decode_sides(Config.default("img_size"))
+    split, sides = read_split_data(data), decode_sides(Config.default("img_size"))
+    paths = (split.train_images + split.val_images)[:SAMPLE]
     start = time.perf_counter()
     for path in paths:
         shapes = {decoded_size(path, side): side for side in reversed(sides)}  # (the store decodes each once)
         for side in shapes.values():
             load_rgb(path, side).tobytes()
     return (time.perf_counter() - start) / len(paths)
-
-
-def sample_of(data: Path) -> list[str]:
-    """The first SAMPLE images of `data`'s split."""
-    split = read_split_data(data)
-    return (split.train_images + split.val_images)[:SAMPLE]
-
-
-def store_formats(data: Path, side: int = 256, quality: int = 90) -> list[dict]:
-    """The store's candidate formats on SAMPLE images of `data`, each on one core: the bytes an image takes, the
-    milliseconds to make it from its file (once, building the store) and to read it back as pixels (every epoch).
-    Raw pixels as the store keeps them; JPEG re-encoded with its shorter side at most `side`; the files as they are."""
-    paths, min_side = sample_of(data), decode_sides(Config.default("img_size"))[0]
-    build, decoded = timed(lambda: [load_rgb(path, min_side) for path in paths])
-    raw = [image.tobytes() for image in decoded]
-    encode, jpegs = timed(lambda: [encoded(image, side, quality) for image in decoded])
-    read_raw, _ = timed(lambda: [np.frombuffer(pixels, np.uint8).copy() for pixels in raw])
-    read_jpeg, _ = timed(lambda: [Image.open(io.BytesIO(jpeg)).convert("RGB").tobytes() for jpeg in jpegs])
-    milliseconds = 1000 / len(paths)
-    files = [Path(path).read_bytes() for path in paths]
-    rows = [("raw 8-bit pixels", raw, build, read_raw),
-            (f"JPEG, shorter side {side}, quality {quality}", jpegs, build + encode, read_jpeg),
-            ("the files as they are", files, 0, build)]  # fmt: skip
-    return [{"format": name, "kb_an_image": sum(map(len, kept)) / len(kept) / 1000, "build_ms": made * milliseconds,
-             "read_ms": read * milliseconds} for name, kept, made, read in rows]  # fmt: skip
-
-
-def encoded(image, side: int, quality: int) -> bytes:
-    """`image` as a JPEG of its shorter side at most `side`."""
-    height, width = capped((image.height, image.width), side)
-    out = io.BytesIO()
-    image.resize((width, height), Image.Resampling.LANCZOS).save(out, "JPEG", quality=quality)
-    return out.getvalue()
-
-
-def listing_parts(data: Path) -> dict:
-    """The images of `data`, and the parts of every start that grow with them: listing the folder, and
-    fingerprinting its split."""
-    listing, split = timed(read_split_data, data)
-    fingerprint, _ = timed(split_fingerprint, split, data)
-    images = len(split.train_images) + len(split.val_images)
-    return {"images": images, "listing_s": listing, "split_fingerprint_s": fingerprint}
 
 
 def timed(function, *args, **kwargs):
@@ -181,25 +119,18 @@ def seconds_to_first_step(command: list[str], log: Path, env: dict | None = None
         while FIRST_STEP not in output:
             chunk = process.stdout.read1(65536)
             if not chunk:
-                process.wait()
-                status = process.returncode
-                raise UserError(f"{command[1]} ended before its first step (exit status {status}); see {log}")
+                raise UserError(f"{command[1]} ended before its first step (exit status {process.wait()}); see {log}")
             output += chunk
-        return time.perf_counter() - start, own_memory(process.pid)
+        seconds = time.perf_counter() - start
+        try:  # RssAnon: not the files it maps, such as the image store
+            found = re.search(r"RssAnon:\s+(\d+) kB", Path(f"/proc/{process.pid}/status").read_text())
+        except OSError:
+            found = None
+        return seconds, None if found is None else int(found[1]) / 1024
     finally:
         process.kill()
         process.wait()
         log.write_bytes(output)
-
-
-def own_memory(pid: int) -> float | None:
-    """MB of the process's own memory (RssAnon: not the files it maps, such as the image store)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    found = re.search(r"RssAnon:\s+(\d+) kB", status)
-    return None if found is None else int(found[1]) / 1024
 
 
 def startup_table(rows: list[dict]) -> str:
