@@ -60,9 +60,8 @@ def parse_args(argv=None):
                    help="fraction of each class held out for validation (default: the run's, else 0.2; a folder of "
                    "train/ and val/ is used as given)")  # fmt: skip
     p.add_argument("--seed", type=number(int, 0), help="seed of the split (default: the run's, else 0)")
-    p.add_argument(
-        "--all", action="store_true", help="evaluate every image of the data folder instead of the validation split"
-    )
+    p.add_argument("--all", action="store_true",
+                   help="evaluate every image of the data folder instead of the validation split")  # fmt: skip
     p.add_argument("--output-dir", type=Path, help="where eval.json and confusion_matrix.png go (default: RUN/eval)")
     add_results_arguments(p)
     add_scoring_arguments(p)

@@ -44,9 +44,8 @@ def parse_args(argv=None):
     add_run_overrides(p)
     p.add_argument("--data-path", type=Path, help="class folders whose images the check runs on (default: the run's; "
                    "none: a seeded random batch)")  # fmt: skip
-    p.add_argument(
-        "--device", default="cpu", help="where the network is traced: cpu, cuda or cuda:N (the check runs on the CPU)"
-    )
+    p.add_argument("--device", default="cpu",
+                   help="where the network is traced: cpu, cuda or cuda:N (the check runs on the CPU)")  # fmt: skip
     return p.parse_args(argv)
 
 

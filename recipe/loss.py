@@ -86,9 +86,8 @@ def describe_class_weights(config, split) -> str | None:
     weights = class_weights(config, split)
     if weights is None:
         return None
-    return "Class weights (balanced): " + ", ".join(
-        f"{name} {weight:.2f}" for name, weight in zip(split.classes, weights.tolist(), strict=True)
-    )
+    named = zip(split.classes, weights.tolist(), strict=True)
+    return "Class weights (balanced): " + ", ".join(f"{name} {weight:.2f}" for name, weight in named)
 
 
 def build_objective(config, split, device: torch.device | str = "cpu") -> Objective:

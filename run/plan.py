@@ -101,9 +101,8 @@ def prepare(config: Config, world_size: int) -> tuple[Config, Plan]:
     if first_rank() and stored.path is None:
         check.save(output_dir)  # the images' verdicts, for the next start of this run (a restart, a resume)
     lines = recipe_lines(config, split, world_size, uncompiled=asked_to_compile and not config.compile)
-    return config, Plan(
-        Path(data_path), split, output_dir, weights, resume, given, saved, stored.path, stored.line, lines
-    )
+    return config, Plan(Path(data_path), split, output_dir, weights, resume, given, saved, stored.path, stored.line,
+                        lines)  # fmt: skip
 
 
 def announce(config, plan, process, choice) -> None:
@@ -113,11 +112,9 @@ def announce(config, plan, process, choice) -> None:
     lines = [f"{config.script}: {process.world_size} process(es) on {process.device.type}{backend}"]
     if process.device.type == "cpu" and not torch.cuda.is_available():
         lines.append("No CUDA GPU found: training on the CPU.")
-    lines.append(
-        f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
-        f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; "
-        f"{choice.workers} loader workers per process"
-    )
+    lines.append(f"Data: {len(split.train_images)} training / {len(split.val_images)} validation images, "
+                 f"{len(split.classes)} classes{' (train/, val/ as given)' * split.given}; "
+                 f"{choice.workers} loader workers per process")  # fmt: skip
     lines += [plan.images_line, *choice.lines, inexact_resume_note(config, plan.saved, process.world_size, choice)]
     lines += plan.recipe_lines
     if split.unreadable:
@@ -300,11 +297,9 @@ def inexact_resume_note(config: Config, saved: dict | None, world_size: int, cho
         layers += batch_statistics(config.model)
     if not layers:
         return None
-    return (
-        f"note: {config.model}'s {' and '.join(layers)} layers compute per forward pass, which now takes {now[0]} "
-        f"images on each of {now[1]} process(es), {before[0]} on each of {before[1]} before: this run keeps the "
-        "recipe, not the uninterrupted run's exact weights (docs/resuming-and-failures.md)"
-    )
+    return (f"note: {config.model}'s {' and '.join(layers)} layers compute per forward pass, which now takes {now[0]} "
+            f"images on each of {now[1]} process(es), {before[0]} on each of {before[1]} before: this run keeps the "
+            "recipe, not the uninterrupted run's exact weights (docs/resuming-and-failures.md)")  # fmt: skip
 
 
 def check_same_recipe(checkpoint: Path, saved: dict, config: Config) -> None:

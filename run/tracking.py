@@ -183,9 +183,8 @@ class Tracking:
         if self.uri.startswith("sqlite:///"):
             location = (Path(self.uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts" / name).as_uri()
         try:  # tagged as model training, so that MLflow's UI opens on its runs and their charts, not on traces
-            return self.client.create_experiment(
-                name, location, tags={"mlflow.experimentKind": "custom_model_development"}
-            )
+            tags = {"mlflow.experimentKind": "custom_model_development"}
+            return self.client.create_experiment(name, location, tags=tags)
         except MlflowException:  # another run made it meanwhile
             return self.client.get_experiment_by_name(name).experiment_id
 
