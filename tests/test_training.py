@@ -121,7 +121,10 @@ def test_the_background_writer_starts_no_compute_threads_of_its_own(tiny_data, t
         monkeypatch.setattr(EpochWriter, "write", lambda w, job, after=None: original(
             w, lambda: written.append(started_by(job)), after))  # fmt: skip
         out = tmp_path / "run"
-        size = ("--img-size", "64")  # a preview of 10 images large enough that any torch operation on it is parallel
+        # A preview of 10 images large enough that any torch operation on it is parallel (69,120 values, more than
+        # torch's grain of 32,768); one step of 48 of the 50 images: the run's two threads oversubscribe a worker's
+        # core in the suite, and every parallel region then spins while the other thread waits for a core
+        size = ("--img-size", "48", "--batch-size", "48")
         result = run_here(
             "train_single_gpu.py", "--data-path", tiny_data, "--output-dir", out, "--epochs", "1", *FAST, *size
         )
