@@ -163,7 +163,8 @@ def report(args, trained, evaluation: Evaluation, scored) -> None:
         print(f"top-5 accuracy {in_top5 / total:.3f} ({in_top5}/{total})")
     width = max(len("class"), *map(len, classes))
     print(f"\n{'class':<{width}}  precision  recall     f1  support")
-    for name, precision, recall, f1, support in zip(classes, *scores.values(), strict=True):  # per_class_scores' order
+    columns = (scores["precision"], scores["recall"], scores["f1"], scores["support"])
+    for name, precision, recall, f1, support in zip(classes, *columns, strict=True):
         print(f"{name:<{width}}  {precision:9.3f}  {recall:6.3f}  {f1:5.3f}  {support:7d}")
     output_dir = evaluation.output_dir
     report_json = {

@@ -127,7 +127,8 @@ def make_demo_data(
                     with multiprocessing.Pool(workers) as pool:
                         pool.map(_write_image, tasks, chunksize=16)
                 else:
-                    list(map(_write_image, tasks))
+                    for task in tasks:
+                        _write_image(task)
                 os.rename(staging, root)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
